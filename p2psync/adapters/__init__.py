@@ -1,0 +1,1 @@
+"""Adapters: trainer sources and engine targets, each registered as a plugin."""

@@ -1,0 +1,61 @@
+"""Engine side of the torch engine: expose a module's parameters to trainers."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from ...core.endpoint import EngineEndpoint, EngineHooks
+from ...core.plugins import registry
+from ...core.transport import Transport
+
+if TYPE_CHECKING:
+    import torch
+
+    from ...core.rendezvous import Rendezvous
+
+
+def serve(
+    module: torch.nn.Module,
+    *,
+    engine_id: str,
+    rendezvous: Rendezvous,
+    transport: Transport | str,
+    rank: int = 0,
+    world_size: int = 1,
+    hooks: EngineHooks | None = None,
+    name_map: Callable[[str], str] | Mapping[str, str] | None = None,
+    host: str = "127.0.0.1",
+    token: str = "",
+    transport_options: Mapping[str, Any] | None = None,
+) -> EngineEndpoint:
+    """Register `module`'s parameters, publish its table and serve control calls.
+
+    Parameters are published under their HF names: `name_map` turns a module
+    parameter name into one (a mapping or a function; identity by default). The
+    layout key is a digest of every name, shape and dtype, so engines built from
+    the same model class and config share one layout.
+    """
+    if isinstance(transport, str):
+        transport = registry().transport(transport)(options=transport_options)
+    rename = name_map.__getitem__ if isinstance(name_map, Mapping) else (name_map or (lambda n: n))
+    params = {rename(name): p.data for name, p in module.named_parameters()}
+    fingerprint = hashlib.sha256(
+        repr(sorted((n, tuple(t.shape), str(t.dtype)) for n, t in params.items())).encode()
+    ).hexdigest()[:16]
+    endpoint = EngineEndpoint(
+        engine="torch",
+        engine_id=engine_id,
+        rank=rank,
+        world_size=world_size,
+        params=params,
+        layout_key={"params": fingerprint},
+        transport=transport,
+        rendezvous=rendezvous,
+        hooks=hooks,
+        host=host,
+        token=token,
+    )
+    endpoint.start()
+    return endpoint

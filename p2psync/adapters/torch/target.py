@@ -1,0 +1,70 @@
+"""Trainer side of the torch engine: the identity layout and the endpoint control client.
+
+A torch engine holds each HF tensor whole, under its HF name, in its own dtype:
+its bytes are the trainer's tensor cast to that dtype, as `param.copy_(hf)` would
+write them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from ...core.endpoint import EndpointControl
+from ...core.engine import EngineControl, EngineTarget
+from ...core.errors import ConnectError, where
+from ...core.layout import Layout, ParamGroup
+from ...core.types import ParamSpec, Region, TargetParam, TargetTable
+
+if TYPE_CHECKING:
+    import torch
+
+
+class IdentityLayout(Layout):
+    """One group per parameter: the HF tensor of the same name, cast to the engine's dtype."""
+
+    def __init__(self, table: TargetTable, sources: Mapping[str, ParamSpec]) -> None:
+        problems = []
+        for p in table.params:
+            spec = sources.get(p.name)
+            if spec is None:
+                problems.append(f"{where(table.engine_id, table.rank, p.name)}: the trainer has no such HF tensor")
+            elif spec.shape != p.shape:
+                problems.append(
+                    f"{where(table.engine_id, table.rank, p.name)}: shape {list(p.shape)} on the engine, "
+                    f"{list(spec.shape)} on the trainer"
+                )
+        extra = sorted(set(sources) - {p.name for p in table.params})
+        if extra:
+            problems.append(
+                f"{where(table.engine_id, table.rank)}: no parameter for trainer HF tensors {extra[:5]}"
+                + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+            )
+        if problems:
+            raise ConnectError("; ".join(problems))
+        self._params: dict[str, TargetParam] = {p.name: p for p in table.params}
+        self._groups = [ParamGroup((p.name,), (p.name,), p.nbytes) for p in table.params]
+
+    def groups(self) -> Sequence[ParamGroup]:
+        return self._groups
+
+    def fill(self, group: ParamGroup, tensors: Mapping[str, torch.Tensor], out: torch.Tensor) -> list[Region]:
+        import torch
+
+        (name,) = group.outputs
+        param = self._params[name]
+        out[: param.nbytes].view(getattr(torch, param.dtype)).view(param.shape).copy_(tensors[name])
+        return [Region(name, 0, 0, param.nbytes)]
+
+
+class TorchEngineTarget(EngineTarget):
+    """Engines that run `p2psync.adapters.torch.serve` in each rank."""
+
+    name = "torch"
+    requires = ("torch",)
+
+    def layout(self, table: TargetTable, sources: Mapping[str, ParamSpec]) -> Layout:
+        return IdentityLayout(table, sources)
+
+    def control(self, tables: Sequence[TargetTable], *, timeout: float, token: str = "") -> EngineControl:
+        return EndpointControl(tables, timeout=timeout, token=token)

@@ -1,0 +1,1 @@
+"""The framework-free core: types, protocols, plan, buffers, writer, session."""

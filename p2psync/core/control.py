@@ -1,0 +1,89 @@
+"""Engine control calls over HTTP with JSON bodies.
+
+The engine side serves a few routes from a daemon thread; the trainer side posts
+to them. Engines that have their own HTTP API (sglang) are driven through that
+instead, by their adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from .errors import ControlError
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[dict[str, Any]], dict[str, Any] | None]
+TOKEN_HEADER = "X-P2PSync-Token"
+
+
+class ControlServer:
+    """Serves `POST /<route>` by calling `handlers[route](json_body)`.
+
+    A request whose token header differs from `token` is refused (403), so only the
+    job the engine joined can drive it.
+    """
+
+    def __init__(self, handlers: Mapping[str, Handler], *, host: str = "127.0.0.1", port: int = 0, token: str = "") -> None:
+        routes = dict(handlers)
+
+        class _Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server naming)
+                route = self.path.strip("/")
+                if self.headers.get(TOKEN_HEADER, "") != token:
+                    return self._reply(403, {"error": "wrong or missing job token"})
+                if route not in routes:
+                    return self._reply(404, {"error": f"no control route {route!r}"})
+                try:
+                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                    result = routes[route](body) or {}
+                except Exception as exc:  # reported to the caller, which names the engine
+                    log.exception("control route %s failed", route)
+                    return self._reply(500, {"error": f"{type(exc).__name__}: {exc}"})
+                self._reply(200, result)
+
+            def _reply(self, status: int, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                log.debug("control: " + format, *args)
+
+        self._server = ThreadingHTTPServer((host, port), _Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://{host}:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="p2psync-control", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def post(url: str, route: str, body: Mapping[str, Any] | None = None, *, token: str = "", timeout: float) -> dict[str, Any]:
+    """POST a JSON body to `url/route`; raise ControlError with the engine's message on failure."""
+    request = urllib.request.Request(
+        f"{url.rstrip('/')}/{route}",
+        data=json.dumps(dict(body or {})).encode(),
+        headers={"Content-Type": "application/json", TOKEN_HEADER: token},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")
+        raise ControlError(f"{route} at {url} answered {exc.code}: {detail}") from exc
+    except (OSError, ValueError) as exc:
+        raise ControlError(f"{route} at {url} failed: {exc}") from exc

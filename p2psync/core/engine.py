@@ -1,0 +1,57 @@
+"""The EngineTarget protocol: what the trainer side needs to know about an engine kind."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+from .layout import Layout
+from .types import ParamSpec, Region, TargetTable
+
+
+class EngineControl(ABC):
+    """Control calls to one engine (all its ranks), made by the trainer around an update."""
+
+    @abstractmethod
+    def pause(self) -> None:
+        """Stop serving so that no request reads weights while they change."""
+
+    @abstractmethod
+    def finish(self, version: str) -> None:
+        """After every write landed: post-process, drop what the old weights
+        computed (prefix and KV caches), set the weight version, resume serving."""
+
+    @abstractmethod
+    def digests(self, rank: int, regions: Mapping[str, Sequence[Region]]) -> dict[str, str]:
+        """Digest of the bytes `rank` holds in the given regions of each parameter."""
+
+    def close(self) -> None:
+        """Drop connections."""
+
+
+class EngineTarget(ABC):
+    """An engine kind (sglang, vLLM, a torch module) as seen from the trainer.
+
+    Constructed with keyword-only options. Engine-side code (the endpoint that
+    runs inside an engine worker) lives beside it in the same adapter.
+    """
+
+    name: ClassVar[str]
+    requires: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, **options: Any) -> None:
+        self.options = options
+
+    @abstractmethod
+    def layout(self, table: TargetTable, sources: Mapping[str, ParamSpec]) -> Layout:
+        """Build the layout for `table`'s layout key and rank from the trainer's HF tensors.
+
+        Raises ConnectError naming engine, rank and parameter for anything it
+        cannot reproduce exactly.
+        """
+
+    @abstractmethod
+    def control(self, tables: Sequence[TargetTable], *, timeout: float, token: str = "") -> EngineControl:
+        """A control client for the engine whose ranks published `tables`; `token` is
+        the job's secret, which the engine checks on every call."""

@@ -1,0 +1,44 @@
+"""Errors that name what was wrong: the engine, the rank, the parameter."""
+
+from __future__ import annotations
+
+
+class P2PSyncError(Exception):
+    """Base of every error p2psync raises on purpose."""
+
+
+class PluginError(P2PSyncError):
+    """A plugin registered a class without a name, or under a name already taken."""
+
+
+class ConnectError(P2PSyncError):
+    """`connect` found something a layout, the plan or a transport cannot serve.
+
+    Raised before anything is written, so no engine sees partial weights.
+    """
+
+
+class RendezvousError(P2PSyncError):
+    """The rendezvous held no table, a late table, or data that does not parse."""
+
+
+class TransferError(P2PSyncError):
+    """A write to one engine failed; the other engines are not affected."""
+
+
+class TransferTimeout(TransferError):
+    """A write to one engine did not complete within `transfer_timeout`."""
+
+
+class ControlError(P2PSyncError):
+    """An engine control call (pause, resume, digest, ...) failed."""
+
+
+def where(engine_id: str, rank: int | None = None, param: str | None = None) -> str:
+    """Format the place an error is about, the same way everywhere."""
+    text = f"engine {engine_id!r}"
+    if rank is not None:
+        text += f" rank {rank}"
+    if param is not None:
+        text += f" parameter {param!r}"
+    return text

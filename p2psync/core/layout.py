@@ -1,0 +1,44 @@
+"""Layouts: how the HF tensors become the exact bytes of one target's parameters."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .types import Region
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """Target parameters that are produced together from a set of HF tensors.
+
+    A fused engine parameter (`qkv_proj`) needs several HF tensors; every input of
+    a group must arrive in the same bucket, and every target parameter belongs to
+    exactly one group.
+    """
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    nbytes: int
+
+
+class Layout(ABC):
+    """Turns HF tensors into the bytes of one target (one layout key and rank)."""
+
+    @abstractmethod
+    def groups(self) -> Sequence[ParamGroup]:
+        """Every group of this target, each target parameter in exactly one."""
+
+    @abstractmethod
+    def fill(self, group: ParamGroup, tensors: Mapping[str, torch.Tensor], out: torch.Tensor) -> list[Region]:
+        """Write the bytes of `group` into `out` (uint8, at least `group.nbytes` long).
+
+        Returns the regions written, with `buffer_offset` relative to `out`. Only
+        what the engine's own loader would write is produced: padding it leaves
+        alone is not part of any region.
+        """

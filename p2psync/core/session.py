@@ -1,0 +1,465 @@
+"""A sync session: `connect` to engines once, then `update` them after each training step.
+
+Every trainer rank runs the same session. All ranks gather every bucket; the
+ranks the plan picked as senders turn the HF tensors into each target's bytes
+and hand the writes to per-engine write threads. World rank 0 makes the control
+calls (pause, and finish for the engines whose writes all landed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import collectives
+from .buckets import make_buckets
+from .buffers import BufferPool, Lease
+from .digest import byte_view, digest
+from .engine import EngineControl, EngineTarget
+from .errors import ConnectError, ControlError, P2PSyncError, where
+from .layout import Layout, ParamGroup
+from .plan import Plan, PlanTarget, build_plan, unit_of
+from .plugins import Registry, registry as default_registry
+from .rendezvous import Rendezvous
+from .report import EngineReport, UpdateReport
+from .source import TrainerSource
+from .transport import Peer, Transport, WriteBatch
+from .types import ParamSpec, Region, TargetId, TargetTable
+from .writer import EngineWriter, WriteJob
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 512 << 20
+#: Byte alignment of parameter groups inside a transfer buffer, so that every
+#: dtype view of a group starts aligned.
+ALIGN = 64
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass
+class _Unit:
+    """Targets of one layout key and rank that this sender serves: their bytes are
+    produced once and written to each."""
+
+    unit: str
+    layout: Layout
+    tables: list[TargetTable] = field(default_factory=list)
+
+
+@dataclass
+class _Produced:
+    """Digest of what a sender produced for one parameter, and where it went."""
+
+    digest: str
+    regions: list[Region]
+
+
+class Session:
+    """Moves a trainer's weights into running engines.
+
+    Construct on every trainer rank with the same arguments. `transport` is a
+    Transport instance or a registered name; `bucket_bytes` bounds what is gathered
+    at once; `transfer_timeout` bounds every write and control call; `check`
+    compares a digest of every parameter each engine holds with what was sent.
+    """
+
+    def __init__(
+        self,
+        *,
+        source: TrainerSource,
+        transport: Transport | str,
+        rendezvous: Rendezvous,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        transfer_timeout: float = 60.0,
+        check: bool = False,
+        token: str = "",
+        transport_options: Mapping[str, Any] | None = None,
+        registry: Registry | None = None,
+        buffer_device: str = "cpu",
+        pin_memory: bool = False,
+    ) -> None:
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.registry = registry or default_registry()
+        if isinstance(transport, str):
+            transport = self.registry.transport(transport)(options=transport_options)
+        self.source = source
+        self.transport = transport
+        self.rendezvous = rendezvous
+        self.bucket_bytes = bucket_bytes
+        self.transfer_timeout = transfer_timeout
+        self.check = check
+        self.token = token
+        self.buffer_device = buffer_device
+        self.pin_memory = pin_memory
+        self.rank = collectives.world_rank()
+        self.group = source.sender_group()
+        self.plan: Plan | None = None
+        self.tables: dict[str, list[TargetTable]] = {}
+        self._targets: dict[str, EngineTarget] = {}
+        self._layouts: dict[str, tuple[str, Layout]] = {}  # unit -> (parameter fingerprint, layout)
+        self._controls: dict[str, EngineControl] = {}
+        self._peers: dict[TargetId, tuple[str, Peer]] = {}  # target -> (table json, peer)
+        self._writers: dict[str, EngineWriter] = {}
+        self._pool: BufferPool | None = None
+        self._buckets: list[list[str]] = []
+        self._work: list[list[tuple[_Unit, list[ParamGroup]]]] = []
+
+    # -- connect ---------------------------------------------------------------------------
+
+    def connect(self, engines: Sequence[str]) -> None:
+        """Read the engines' target tables, build layouts and the plan, open transport peers.
+
+        Collective over the trainer world. Raises ConnectError on every rank, naming
+        engine, rank and parameter, for anything that cannot be served; nothing is
+        written then. Layouts and peers of engines that did not change are reused.
+        """
+        tables = collectives.broadcast(self._read_tables(engines) if self.rank == 0 else None)
+        if isinstance(tables, str):
+            raise ConnectError(tables)
+        error: str | None = None
+        try:
+            specs, mine = self._all_specs()
+            self._prepare(tables, specs, mine)
+        except P2PSyncError as exc:
+            error = f"rank {self.rank}: {exc}"
+        errors = [e for e in collectives.all_gather(error) if e]
+        if errors:
+            raise ConnectError("; ".join(errors))
+
+    def _read_tables(self, engines: Sequence[str]) -> dict[str, list[TargetTable]] | str:
+        try:
+            return {engine: self.rendezvous.read_engine(engine) for engine in engines}
+        except P2PSyncError as exc:
+            return str(exc)
+
+    def _all_specs(self) -> tuple[dict[str, ParamSpec], dict[str, ParamSpec]]:
+        """The HF tensors of every sender group, and of this rank's group."""
+        mine = {s.name: s for s in self.source.param_specs()}
+        union: dict[str, ParamSpec] = {}
+        for group_specs in collectives.all_gather(list(mine.values())):
+            for spec in group_specs:
+                if union.setdefault(spec.name, spec) != spec:
+                    raise ConnectError(
+                        f"trainer ranks disagree on HF tensor {spec.name!r}: {union[spec.name]} and {spec}"
+                    )
+        return union, mine
+
+    def _prepare(
+        self, tables: dict[str, list[TargetTable]], specs: dict[str, ParamSpec], mine: dict[str, ParamSpec]
+    ) -> None:
+        units: dict[str, _Unit] = {}
+        groups_of: dict[str, list[ParamGroup]] = {}
+        for engine_tables in tables.values():
+            for table in engine_tables:
+                self._check_table(table)
+                unit = unit_of(table.layout_key_text, table.rank)
+                if unit not in units:
+                    units[unit] = _Unit(unit, self._layout(table, specs))
+                    groups_of[unit] = self._own_groups(table, units[unit].layout, mine)
+
+        plan_targets = [
+            PlanTarget(table.target, unit, sum(g.nbytes for g in groups_of[unit]))
+            for unit, table in (
+                (unit_of(t.layout_key_text, t.rank), t) for engine_tables in tables.values() for t in engine_tables
+            )
+            if groups_of[unit]
+        ]
+        self.plan = build_plan(self.group.ranks, plan_targets)
+        mine_targets = set(self.plan.targets_of(self.rank))
+        served: dict[str, _Unit] = {}
+        for engine_tables in tables.values():
+            for table in engine_tables:
+                if table.target in mine_targets:
+                    unit = unit_of(table.layout_key_text, table.rank)
+                    served.setdefault(unit, _Unit(unit, units[unit].layout)).tables.append(table)
+
+        all_groups = [g for groups in groups_of.values() for g in groups]
+        self._buckets = make_buckets(list(mine.values()), all_groups, self.bucket_bytes)
+        bucket_of = {name: i for i, names in enumerate(self._buckets) for name in names}
+        self._work = [[] for _ in self._buckets]
+        for unit in served.values():
+            per_bucket: dict[int, list[ParamGroup]] = defaultdict(list)
+            for group in groups_of[unit.unit]:
+                per_bucket[bucket_of[group.inputs[0]]].append(group)
+            for i, groups in sorted(per_bucket.items()):
+                self._work[i].append((unit, groups))
+
+        self._ensure_pool()
+        self._open(tables, mine_targets)
+        self.tables = tables
+        log.info(
+            "connected to %d engines (%d targets); serving %d of them from %d buckets",
+            len(tables),
+            sum(len(t) for t in tables.values()),
+            len(mine_targets),
+            len(self._buckets),
+        )
+
+    def _check_table(self, table: TargetTable) -> None:
+        if table.transport != self.transport.name:
+            raise ConnectError(
+                f"{where(table.engine_id, table.rank)} published for transport {table.transport!r}, "
+                f"but this trainer uses {self.transport.name!r}"
+            )
+        if table.job_id != self.rendezvous.job_id:
+            raise ConnectError(
+                f"{where(table.engine_id, table.rank)} joined job {table.job_id!r}, not {self.rendezvous.job_id!r}"
+            )
+
+    def _layout(self, table: TargetTable, specs: dict[str, ParamSpec]) -> Layout:
+        """The layout of the table's layout key and rank, built once and reused."""
+        unit = unit_of(table.layout_key_text, table.rank)
+        fingerprint = hashlib.sha256(
+            repr([(p.name, p.shape, p.dtype, p.nbytes) for p in table.params]).encode()
+        ).hexdigest()
+        cached = self._layouts.get(unit)
+        if cached is not None:
+            if cached[0] != fingerprint:
+                raise ConnectError(
+                    f"{where(table.engine_id, table.rank)} has the layout key of another engine rank "
+                    f"but different parameters"
+                )
+            return cached[1]
+        if table.engine not in self._targets:
+            try:
+                self._targets[table.engine] = self.registry.engine_target(table.engine)()
+            except P2PSyncError as exc:
+                raise ConnectError(f"{where(table.engine_id, table.rank)}: {exc}") from exc
+        layout = self._targets[table.engine].layout(table, specs)
+        self._layouts[unit] = (fingerprint, layout)
+        return layout
+
+    def _own_groups(self, table: TargetTable, layout: Layout, mine: dict[str, ParamSpec]) -> list[ParamGroup]:
+        """The groups of `layout` whose inputs this rank's sender group holds."""
+        own = []
+        for group in layout.groups():
+            held = [name in mine for name in group.inputs]
+            if all(held):
+                own.append(group)
+            elif any(held):
+                raise ConnectError(
+                    f"{where(table.engine_id, table.rank, group.outputs[0])} needs HF tensors "
+                    f"{list(group.inputs)}, which are split across sender groups"
+                )
+        return own
+
+    def _ensure_pool(self) -> None:
+        need = ALIGN
+        for work in self._work:
+            for _, groups in work:
+                largest = max(_aligned(g.nbytes) for g in groups)
+                need = max(need, min(sum(_aligned(g.nbytes) for g in groups), max(self.bucket_bytes, largest)))
+        if self._pool is not None and self._pool.nbytes >= need:
+            return
+        if self._pool is not None:
+            self._pool.close()
+        self._pool = BufferPool(need, self.transport, device=self.buffer_device, pin_memory=self.pin_memory)
+
+    def _open(self, tables: dict[str, list[TargetTable]], mine: set[TargetId]) -> None:
+        for target in [t for t in self._peers if t not in mine]:
+            self._peers.pop(target)[1].close()
+        for engine in [e for e in self._writers if e not in tables]:
+            self._writers.pop(engine).close()
+        for engine in [e for e in self._controls if e not in tables]:
+            self._controls.pop(engine).close()
+        for engine, engine_tables in tables.items():
+            if self.tables.get(engine) != engine_tables or engine not in self._controls:
+                if engine in self._controls:
+                    self._controls.pop(engine).close()
+                self._controls[engine] = self._targets[engine_tables[0].engine].control(
+                    engine_tables, timeout=self.transfer_timeout, token=self.token
+                )
+            for table in engine_tables:
+                if table.target not in mine:
+                    continue
+                text = table.to_json()
+                if self._peers.get(table.target, ("", None))[0] != text:
+                    if table.target in self._peers:
+                        self._peers.pop(table.target)[1].close()
+                    self._peers[table.target] = (text, self.transport.open(table))
+                if engine not in self._writers:
+                    self._writers[engine] = EngineWriter(engine, self.transfer_timeout)
+
+    # -- update ----------------------------------------------------------------------------
+
+    def update(self, version: str, *, progress: Callable[[int, int], None] | None = None) -> UpdateReport:
+        """Write the trainer's current weights into every connected engine.
+
+        Collective over the trainer world. Returns the same report on every rank;
+        engines whose writes or checks failed are left paused and listed as stale.
+        `progress(done, total)` is called after each bucket.
+        """
+        if self.plan is None:
+            raise P2PSyncError("update before connect")
+        start = time.monotonic()
+        paused = self._pause_all() if self.rank == 0 else None
+        failed: dict[str, str] = collectives.broadcast(paused)
+        for engine, writer in self._writers.items():
+            writer.start_update()
+            if engine in failed:
+                writer.fail(failed[engine])
+
+        produced: dict[str, dict[str, _Produced]] = defaultdict(dict)
+        for i, names in enumerate(self._buckets):
+            tensors = self.source.gather(names)
+            for unit, groups in self._work[i]:
+                self._send(unit, groups, tensors, produced[unit.unit])
+            del tensors
+            if progress is not None:
+                progress(i + 1, len(self._buckets))
+        for writer in self._writers.values():
+            writer.wait()
+        if self.check:
+            self._verify(produced)
+
+        mine = {
+            engine: (w.progress.bytes, (w.progress.last_done or start) - start, w.progress.error)
+            for engine, w in self._writers.items()
+        }
+        report = self._report(version, start, collectives.all_gather(mine), failed)
+        return collectives.broadcast(report)
+
+    def _pause_all(self) -> dict[str, str]:
+        failed = {}
+        for engine, control in self._controls.items():
+            try:
+                control.pause()
+            except ControlError as exc:
+                failed[engine] = f"pause failed: {exc}"
+        return failed
+
+    def _send(
+        self, unit: _Unit, groups: list[ParamGroup], tensors: Mapping[str, Any], produced: dict[str, _Produced]
+    ) -> None:
+        """Fill transfer buffers with this bucket's groups of one unit and hand them to the writers."""
+        assert self._pool is not None
+        lease: Lease | None = None
+        regions: list[Region] = []
+        offset = 0
+        try:
+            for group in groups:
+                if lease is None or offset + group.nbytes > self._pool.nbytes:
+                    if lease is not None:
+                        self._submit(unit, lease, regions)
+                    lease, regions, offset = self._pool.acquire(self.transfer_timeout), [], 0
+                out = lease.tensor[offset : offset + group.nbytes]
+                written = [
+                    Region(r.param, r.param_offset, r.buffer_offset + offset, r.nbytes)
+                    for r in unit.layout.fill(group, tensors, out)
+                ]
+                regions.extend(written)
+                if self.check:
+                    self._record(lease, written, produced)
+                offset += _aligned(group.nbytes)
+            if lease is not None:
+                self._submit(unit, lease, regions)
+                lease = None
+        except Exception as exc:  # a layout or buffer failure fails this unit's engines only
+            log.exception("producing bytes for %s failed", unit.unit)
+            for table in unit.tables:
+                self._writers[table.engine_id].fail(f"{where(table.engine_id, table.rank)}: {type(exc).__name__}: {exc}")
+            if lease is not None:
+                lease.release()
+
+    def _submit(self, unit: _Unit, lease: Lease, regions: list[Region]) -> None:
+        for table in unit.tables:
+            writer = self._writers[table.engine_id]
+            if writer.progress.error is not None:
+                continue
+            addrs = {p.name: p.addr for p in table.params}
+            batch = WriteBatch()
+            for r in regions:
+                batch.add(lease.addr + r.buffer_offset, addrs[r.param] + r.param_offset, r.nbytes)
+            writer.submit(WriteJob(table.target, self._peers[table.target][1], batch, lease))
+        lease.release()
+
+    @staticmethod
+    def _record(lease: Lease, regions: list[Region], produced: dict[str, _Produced]) -> None:
+        data = byte_view(lease.tensor)
+        by_param: dict[str, list[Region]] = defaultdict(list)
+        for r in regions:
+            by_param[r.param].append(r)
+        for param, rs in by_param.items():
+            produced[param] = _Produced(digest(data, [(r.buffer_offset, r.nbytes) for r in rs]), rs)
+
+    def _verify(self, produced: dict[str, dict[str, _Produced]]) -> None:
+        """Ask every target this rank served for digests of what it holds and compare."""
+        for work in self._work:
+            for unit, _ in work:
+                for table in unit.tables:
+                    writer = self._writers[table.engine_id]
+                    if writer.progress.error is not None:
+                        continue
+                    sent = produced[unit.unit]
+                    try:
+                        held = self._controls[table.engine_id].digests(
+                            table.rank, {name: p.regions for name, p in sent.items()}
+                        )
+                    except ControlError as exc:
+                        writer.fail(f"digest check failed: {exc}")
+                        continue
+                    for name, p in sent.items():
+                        if held.get(name) != p.digest:
+                            writer.fail(
+                                f"{where(table.engine_id, table.rank, name)}: digest mismatch after write "
+                                f"(sent {p.digest}, engine holds {held.get(name)})"
+                            )
+                            break
+
+    def _report(
+        self,
+        version: str,
+        start: float,
+        per_rank: list[dict[str, tuple[int, float, str | None]]],
+        failed: dict[str, str],
+    ) -> UpdateReport | None:
+        if self.rank != 0:
+            return None
+        engines = {e: EngineReport(e, ok=e not in failed, error=failed.get(e)) for e in self.tables}
+        for statuses in per_rank:
+            for engine, (nbytes, seconds, error) in statuses.items():
+                report = engines[engine]
+                report.bytes += nbytes
+                report.seconds = max(report.seconds, seconds)
+                if error and report.error is None:
+                    report.ok, report.error = False, error
+        for engine, report in engines.items():
+            if not report.ok:
+                log.warning("engine %s is stale: %s", engine, report.error)
+                continue
+            try:
+                self._controls[engine].finish(version)
+                report.checked = self.check
+            except ControlError as exc:
+                report.ok, report.error = False, f"finish failed: {exc}"
+        return UpdateReport(version=version, seconds=time.monotonic() - start, engines=engines)
+
+    # -- close -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop write threads, close peers and control clients, unregister buffers."""
+        for writer in self._writers.values():
+            writer.close()
+        for _, peer in self._peers.values():
+            peer.close()
+        for control in self._controls.values():
+            control.close()
+        if self._pool is not None:
+            self._pool.close()
+        self.transport.close()
+        self._writers, self._peers, self._controls, self._pool = {}, {}, {}, None
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

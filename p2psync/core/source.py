@@ -1,0 +1,36 @@
+"""The TrainerSource protocol: a trainer's weights as full HF tensors, gathered on demand."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+from .types import ParamSpec, SenderGroup
+
+if TYPE_CHECKING:
+    import torch
+
+
+class TrainerSource(ABC):
+    """One trainer rank's view of the model it trains.
+
+    Subclasses wrap a framework's model (FSDP2, Megatron, ...). `gather` is a
+    collective: every rank of the sender group calls it with the same names in the
+    same order, and every rank gets the full tensors back.
+    """
+
+    name: ClassVar[str]
+    requires: ClassVar[tuple[str, ...]] = ()
+
+    @abstractmethod
+    def sender_group(self) -> SenderGroup:
+        """The ranks that hold the same HF tensors as this one after gathering."""
+
+    @abstractmethod
+    def param_specs(self) -> list[ParamSpec]:
+        """Every HF tensor this rank's group can produce, in the trainer's order."""
+
+    @abstractmethod
+    def gather(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Full HF tensors for `names` (collective over the sender group)."""

@@ -1,0 +1,98 @@
+"""The Transport protocol: one-sided writes from trainer buffers into engine memory."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from .types import TargetTable
+
+
+@dataclass
+class WriteBatch:
+    """Writes to one peer, as the parallel lists that batched transport APIs take.
+
+    `add` merges a write into the previous one where both the local and the remote
+    ranges continue it, so parameters that sit back to back cost one descriptor.
+    """
+
+    local: list[int] = field(default_factory=list)
+    remote: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+
+    def add(self, local: int, remote: int, length: int) -> None:
+        if length <= 0:
+            return
+        if self.lengths and self.local[-1] + self.lengths[-1] == local and self.remote[-1] + self.lengths[-1] == remote:
+            self.lengths[-1] += length
+            return
+        self.local.append(local)
+        self.remote.append(remote)
+        self.lengths.append(length)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.lengths)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+
+class Peer(ABC):
+    """The trainer's handle on one engine rank's registered memory."""
+
+    @abstractmethod
+    def write(self, batch: WriteBatch, *, timeout: float) -> None:
+        """Write every range of `batch`, returning once all have landed.
+
+        Raises TransferTimeout when they have not landed within `timeout` seconds and
+        TransferError when the transport reports a failure. Must never block longer
+        than `timeout` (plus polling granularity).
+        """
+
+    def close(self) -> None:
+        """Release what `Transport.open` set up for this peer."""
+
+
+class Transport(ABC):
+    """A way to move bytes from trainer buffers into registered engine memory.
+
+    One instance per process. The engine side calls `expose` once with its
+    parameter memory and publishes the returned info in its target table; the
+    trainer side registers its transfer buffers once with `register_buffer` and
+    opens a `Peer` per engine rank it serves.
+    """
+
+    name: ClassVar[str]
+    #: Modules that must import for this transport to work (checked by `p2psync plugins`).
+    requires: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, *, options: Mapping[str, Any] | None = None) -> None:
+        self.options: dict[str, Any] = dict(options or {})
+
+    @abstractmethod
+    def expose(self, regions: Sequence[tuple[int, int]]) -> dict[str, Any]:
+        """Engine side: register `(address, nbytes)` regions as write targets; return
+        the JSON-serializable info a trainer needs to reach them."""
+
+    @abstractmethod
+    def register_buffer(self, addr: int, nbytes: int) -> None:
+        """Trainer side: register a transfer buffer that writes will read from."""
+
+    @abstractmethod
+    def unregister_buffer(self, addr: int) -> None:
+        """Trainer side: forget a buffer given to `register_buffer`."""
+
+    @abstractmethod
+    def open(self, table: TargetTable) -> Peer:
+        """Trainer side: connect to the engine rank that published `table`."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Unregister all memory and stop the transport's own threads."""
+
+    def describe(self) -> dict[str, Any]:
+        """What was really selected (protocol, devices), for reports and logs."""
+        return {"transport": self.name}

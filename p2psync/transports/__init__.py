@@ -1,0 +1,1 @@
+"""Transports: each a `Transport` over one library, registered as a plugin."""

@@ -1,0 +1,1 @@
+"""Mooncake Transfer Engine transport (`pip install p2psync[mooncake]`)."""
