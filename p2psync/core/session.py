@@ -113,6 +113,11 @@ class Session:
         self._buckets: list[list[str]] = []
         self._work: list[list[tuple[_Unit, list[ParamGroup]]]] = []
 
+    @property
+    def bucket_count(self) -> int:
+        """How many buckets one update gathers (known after `connect`)."""
+        return len(self._buckets)
+
     # -- connect ---------------------------------------------------------------------------
 
     def connect(self, engines: Sequence[str]) -> None:

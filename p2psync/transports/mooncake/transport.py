@@ -33,7 +33,9 @@ def rdma_devices() -> list[str]:
 
 class MooncakeTransport(Transport):
     """Options: `host` (default $P2PSYNC_HOST or 127.0.0.1), `protocol` ("auto": rdma
-    when an RDMA device exists, else tcp), `device_name` (RDMA devices, "" = all)."""
+    when an RDMA device exists, else tcp), `device_name` (RDMA devices, "" = all),
+    `log_level` (Mooncake's own, default WARNING: its INFO level logs every batch;
+    $MC_LOG_LEVEL wins when set)."""
 
     name = "mooncake"
     requires = ("mooncake.engine",)
@@ -58,6 +60,7 @@ class MooncakeTransport(Transport):
     @property
     def engine(self) -> Any:
         if self._engine is None:
+            os.environ.setdefault("MC_LOG_LEVEL", str(self.options.get("log_level", "WARNING")))
             from mooncake.engine import TransferEngine
 
             engine = TransferEngine()
