@@ -72,7 +72,7 @@ class BufferPool:
             torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device, pin_memory=pin_memory) for _ in range(count)
         ]
         for t in self.tensors:
-            transport.register_buffer(t.data_ptr(), t.numel())
+            transport.register_buffer(t)
         self._transport = transport
         self._free = list(range(count))
         self._cond = threading.Condition()
@@ -80,7 +80,7 @@ class BufferPool:
     def close(self) -> None:
         """Unregister the buffers; call only once every lease is released."""
         for t in self.tensors:
-            self._transport.unregister_buffer(t.data_ptr())
+            self._transport.unregister_buffer(t)
         self.tensors = []
 
     def acquire(self, timeout: float) -> Lease:

@@ -85,7 +85,8 @@ class EngineEndpoint:
 
     def start(self) -> TargetTable:
         """Register the parameter memory, start serving control calls, publish the table."""
-        info = self.transport.expose([(t.data_ptr(), t.numel() * t.element_size()) for t in self.params.values()])
+        self.transport.bind(self.rendezvous)
+        info = self.transport.expose(list(self.params.values()))
         routes = {"pause": self._pause, "finish": self._finish, "digest": self._digest, "info": self._info}
         routes.update(self.hooks.routes)
         self._server = ControlServer(routes, host=self.host, token=self.token)

@@ -91,6 +91,7 @@ class Session:
         self.registry = registry or default_registry()
         if isinstance(transport, str):
             transport = self.registry.transport(transport)(options=transport_options)
+        transport.bind(rendezvous)
         self.source = source
         self.transport = transport
         self.rendezvous = rendezvous

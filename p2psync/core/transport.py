@@ -5,9 +5,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .types import TargetTable
+
+if TYPE_CHECKING:
+    import torch
+
+    from .rendezvous import Rendezvous
 
 
 @dataclass
@@ -59,10 +64,13 @@ class Peer(ABC):
 class Transport(ABC):
     """A way to move bytes from trainer buffers into registered engine memory.
 
-    One instance per process. The engine side calls `expose` once with its
-    parameter memory and publishes the returned info in its target table; the
-    trainer side registers its transfer buffers once with `register_buffer` and
-    opens a `Peer` per engine rank it serves.
+    One instance per process. Both sides first `bind` it to the job's
+    rendezvous. The engine side calls `expose` once with its parameter memory and
+    publishes the returned info in its target table; the trainer side registers
+    its transfer buffers once with `register_buffer` and opens a `Peer` per engine
+    rank it serves. Memory is passed as tensors so that a transport can tell host
+    from device memory and, where it must receive (two-sided transports), write
+    into them.
     """
 
     name: ClassVar[str]
@@ -71,18 +79,25 @@ class Transport(ABC):
 
     def __init__(self, *, options: Mapping[str, Any] | None = None) -> None:
         self.options: dict[str, Any] = dict(options or {})
+        self.rendezvous: Rendezvous | None = None
+
+    def bind(self, rendezvous: Rendezvous) -> None:
+        """Attach the job's rendezvous, for transports that set up more than the
+        published info carries (the torch.distributed transport builds its groups
+        there). Called once, before `expose` or `open`."""
+        self.rendezvous = rendezvous
 
     @abstractmethod
-    def expose(self, regions: Sequence[tuple[int, int]]) -> dict[str, Any]:
-        """Engine side: register `(address, nbytes)` regions as write targets; return
-        the JSON-serializable info a trainer needs to reach them."""
+    def expose(self, tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
+        """Engine side: register the memory of `tensors` (contiguous) as write
+        targets; return the JSON-serializable info a trainer needs to reach them."""
 
     @abstractmethod
-    def register_buffer(self, addr: int, nbytes: int) -> None:
+    def register_buffer(self, buffer: torch.Tensor) -> None:
         """Trainer side: register a transfer buffer that writes will read from."""
 
     @abstractmethod
-    def unregister_buffer(self, addr: int) -> None:
+    def unregister_buffer(self, buffer: torch.Tensor) -> None:
         """Trainer side: forget a buffer given to `register_buffer`."""
 
     @abstractmethod

@@ -14,11 +14,14 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...core.errors import TransferError, TransferTimeout
 from ...core.transport import Peer, Transport, WriteBatch
 from ...core.types import TargetTable
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -70,21 +73,23 @@ class MooncakeTransport(Transport):
             self._engine = engine
         return self._engine
 
-    def _register(self, addr: int, nbytes: int) -> None:
+    def _register(self, tensor: torch.Tensor) -> None:
+        addr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
         rc = self.engine.register_memory(addr, nbytes)
         if rc != 0:
             raise TransferError(f"Mooncake register_memory({addr:#x}, {nbytes}) returned {rc}")
         self._registered.append(addr)
 
-    def expose(self, regions: Sequence[tuple[int, int]]) -> dict[str, Any]:
-        for addr, nbytes in regions:
-            self._register(addr, nbytes)
+    def expose(self, tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
+        for tensor in tensors:
+            self._register(tensor)
         return {"session": f"{self.host}:{self.engine.get_rpc_port()}", "protocol": self.protocol}
 
-    def register_buffer(self, addr: int, nbytes: int) -> None:
-        self._register(addr, nbytes)
+    def register_buffer(self, buffer: torch.Tensor) -> None:
+        self._register(buffer)
 
-    def unregister_buffer(self, addr: int) -> None:
+    def unregister_buffer(self, buffer: torch.Tensor) -> None:
+        addr = buffer.data_ptr()
         if addr in self._registered:
             self._registered.remove(addr)
             self.engine.unregister_memory(addr)
