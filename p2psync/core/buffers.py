@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .errors import TransferTimeout
@@ -83,16 +84,31 @@ class BufferPool:
             self._transport.unregister_buffer(t)
         self.tensors = []
 
-    def acquire(self, timeout: float) -> Lease:
-        """A free buffer; waits at most `timeout` seconds for writes to release one."""
-        deadline = time.monotonic() + timeout
+    def acquire(self, timeout: float, on_stall: Callable[[float], None] | None = None) -> Lease:
+        """A free buffer, waiting at most `timeout` seconds for writes to release one.
+
+        If none is released by then, `on_stall(wait_started)` may abandon the writes
+        that hold the buffers (those submitted before the wait began); then one more
+        short wait follows before TransferTimeout.
+        """
+        started = time.monotonic()
         with self._cond:
-            while not self._free:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TransferTimeout(f"no transfer buffer was released within {timeout:.1f} s")
-                self._cond.wait(left)
-            return Lease(self, self._free.pop(0))
+            if self._wait_free(started + timeout):
+                return Lease(self, self._free.pop(0))
+        if on_stall is not None:
+            on_stall(started)
+            with self._cond:
+                if self._wait_free(time.monotonic() + 1.0):
+                    return Lease(self, self._free.pop(0))
+        raise TransferTimeout(f"no transfer buffer was released within {timeout:.1f} s")
+
+    def _wait_free(self, deadline: float) -> bool:
+        while not self._free:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._cond.wait(left)
+        return True
 
     def wait_all_free(self, timeout: float) -> bool:
         """Wait until every buffer is free again; False if that took longer than `timeout`."""

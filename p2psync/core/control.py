@@ -7,6 +7,7 @@ instead, by their adapter.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import threading
@@ -37,7 +38,7 @@ class ControlServer:
         class _Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 (http.server naming)
                 route = self.path.strip("/")
-                if self.headers.get(TOKEN_HEADER, "") != token:
+                if not hmac.compare_digest(self.headers.get(TOKEN_HEADER, ""), token):
                     return self._reply(403, {"error": "wrong or missing job token"})
                 if route not in routes:
                     return self._reply(404, {"error": f"no control route {route!r}"})

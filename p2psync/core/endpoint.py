@@ -62,7 +62,7 @@ class EngineEndpoint:
         rendezvous: Rendezvous,
         hooks: EngineHooks | None = None,
         host: str = "127.0.0.1",
-        token: str = "",
+        token: str | None = None,
     ) -> None:
         for name, tensor in params.items():
             if not tensor.is_contiguous():
@@ -77,7 +77,7 @@ class EngineEndpoint:
         self.rendezvous = rendezvous
         self.hooks = hooks or EngineHooks()
         self.host = host
-        self.token = token
+        self.token = rendezvous.token() if token is None else token
         self.version: str | None = None
         self.paused = False
         self._lock = threading.Lock()
@@ -161,6 +161,10 @@ class EndpointControl(EngineControl):
             return post(table.control_url, route, body, token=self.token, timeout=self.timeout)
         except ControlError as exc:
             raise ControlError(f"{where(table.engine_id, table.rank)}: {exc}") from exc
+
+    def check_access(self) -> None:
+        for table in self.tables:
+            self._call(table, "info")
 
     def pause(self) -> None:
         for table in self.tables:

@@ -14,6 +14,11 @@ class EngineControl(ABC):
     """Control calls to one engine (all its ranks), made by the trainer around an update."""
 
     @abstractmethod
+    def check_access(self) -> None:
+        """Reach every rank once with the job's credentials; raise ControlError if
+        one is unreachable or refuses them. Called at connect."""
+
+    @abstractmethod
     def pause(self) -> None:
         """Stop serving so that no request reads weights while they change."""
 

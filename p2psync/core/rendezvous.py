@@ -6,6 +6,7 @@ Keys live under `p2psync/<job_id>/`, so several jobs can share one store.
 from __future__ import annotations
 
 import logging
+import secrets
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,9 @@ class Rendezvous:
     """A namespaced view of a TCPStore.
 
     `is_server=True` hosts the store in this process (port 0 picks a free port);
-    everyone else connects to `host:port`.
+    everyone else connects to `host:port`. The host also creates the job's secret
+    token (or takes `token`); engines check it on every control call, so a trainer
+    of another job, or one given another token, is refused.
     """
 
     def __init__(
@@ -34,6 +37,7 @@ class Rendezvous:
         is_server: bool = False,
         timeout: float = 60.0,
         store: dist.Store | None = None,
+        token: str | None = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -49,6 +53,12 @@ class Rendezvous:
         self.host = host
         self.port = store.port if hasattr(store, "port") else port
         self.store = dist.PrefixStore(f"p2psync/{job_id}/", store)
+        if is_server:
+            self.store.set("token", token or secrets.token_hex(16))
+
+    def token(self) -> str:
+        """The job's secret token, as the rendezvous host set it."""
+        return self._get("token", None, self.timeout).decode()
 
     def publish(self, table: TargetTable) -> None:
         """Publish one engine rank's table (replacing an older one of the same rank)."""

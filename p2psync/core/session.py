@@ -68,7 +68,8 @@ class Session:
     Construct on every trainer rank with the same arguments. `transport` is a
     Transport instance or a registered name; `bucket_bytes` bounds what is gathered
     at once; `transfer_timeout` bounds every write and control call; `check`
-    compares a digest of every parameter each engine holds with what was sent.
+    compares a digest of every parameter each engine holds with what was sent;
+    `token` is the job's secret that engines check (default: the rendezvous's).
     """
 
     def __init__(
@@ -80,7 +81,7 @@ class Session:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         transfer_timeout: float = 60.0,
         check: bool = False,
-        token: str = "",
+        token: str | None = None,
         transport_options: Mapping[str, Any] | None = None,
         registry: Registry | None = None,
         buffer_device: str = "cpu",
@@ -98,7 +99,7 @@ class Session:
         self.bucket_bytes = bucket_bytes
         self.transfer_timeout = transfer_timeout
         self.check = check
-        self.token = token
+        self.token = rendezvous.token() if token is None else token
         self.buffer_device = buffer_device
         self.pin_memory = pin_memory
         self.rank = collectives.world_rank()
@@ -201,6 +202,12 @@ class Session:
 
         self._ensure_pool()
         self._open(tables, mine_targets)
+        if self.rank == 0:
+            for engine, control in self._controls.items():
+                try:
+                    control.check_access()
+                except ControlError as exc:
+                    raise ConnectError(str(exc)) from exc
         self.tables = tables
         log.info(
             "connected to %d engines (%d targets); serving %d of them from %d buckets",
@@ -356,7 +363,7 @@ class Session:
                 if lease is None or offset + group.nbytes > self._pool.nbytes:
                     if lease is not None:
                         self._submit(unit, lease, regions)
-                    lease, regions, offset = self._pool.acquire(self.transfer_timeout), [], 0
+                    lease, regions, offset = self._pool.acquire(self.transfer_timeout, self._abandon_laggards), [], 0
                 out = lease.tensor[offset : offset + group.nbytes]
                 written = [
                     Region(r.param, r.param_offset, r.buffer_offset + offset, r.nbytes)
@@ -375,6 +382,17 @@ class Session:
                 self._writers[table.engine_id].fail(f"{where(table.engine_id, table.rank)}: {type(exc).__name__}: {exc}")
             if lease is not None:
                 lease.release()
+
+    def _abandon_laggards(self, since: float) -> None:
+        """Fail the engines whose writes have held a buffer since `since`, so that they
+        stop holding back the others."""
+        for engine, writer in self._writers.items():
+            if writer.holds_since(since):
+                log.warning("engine %s held a transfer buffer for %.1f s; failing it", engine, self.transfer_timeout)
+                writer.abandon(
+                    f"engine {engine!r}: writes did not complete within {self.transfer_timeout:.1f} s "
+                    "and held back the other engines"
+                )
 
     def _submit(self, unit: _Unit, lease: Lease, regions: list[Region]) -> None:
         for table in unit.tables:

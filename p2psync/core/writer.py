@@ -3,7 +3,9 @@
 A sender hands each filled buffer's writes to the threads of the engines they go
 to and goes on filling the other buffer. Every write is bounded by
 `transfer_timeout`; the first failure marks that engine failed and its later
-writes are dropped, so one bad engine never holds the others.
+writes are dropped. An engine that holds a buffer for longer than that (stuck,
+or far slower than the rest) is failed and its hold on the buffer abandoned, so
+it can delay the other engines by at most one `transfer_timeout`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from .buffers import Lease
-from .errors import TransferError
+from .errors import TransferError, where
 from .transport import Peer, WriteBatch
 from .types import TargetId
 
@@ -24,10 +26,24 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class WriteJob:
+    """Writes of one filled buffer to one engine rank; holds the buffer until released."""
+
     target: TargetId
     peer: Peer
     batch: WriteBatch
     lease: Lease
+    submitted: float = field(default_factory=time.monotonic)
+    _released: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def release(self) -> None:
+        """Give the buffer back; later calls do nothing (a job can be abandoned and
+        then finish)."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        self.lease.release()
 
 
 @dataclass
@@ -49,9 +65,9 @@ class EngineWriter:
 
     def __post_init__(self) -> None:
         self._jobs: queue.Queue[WriteJob | None] = queue.Queue()
+        self._outstanding: list[WriteJob] = []
         self._idle = threading.Event()
         self._idle.set()
-        self._pending = 0
         self._running_since: float | None = None
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"p2psync-write-{self.engine_id}", daemon=True)
@@ -68,9 +84,24 @@ class EngineWriter:
     def submit(self, job: WriteJob) -> None:
         job.lease.retain()
         with self._lock:
-            self._pending += 1
+            self._outstanding.append(job)
             self._idle.clear()
         self._jobs.put(job)
+
+    def holds_since(self, moment: float) -> bool:
+        """Whether a job submitted at or before `moment` still holds its buffer."""
+        with self._lock:
+            return any(job.submitted <= moment and not job._released for job in self._outstanding)
+
+    def abandon(self, error: str) -> None:
+        """Fail the engine and give back every buffer its jobs hold, including one a
+        transport may still be reading: whatever then lands there only reaches an
+        engine that is failed and will not be resumed."""
+        self.fail(error)
+        with self._lock:
+            jobs = list(self._outstanding)
+        for job in jobs:
+            job.release()
 
     def wait(self, margin: float = 5.0) -> None:
         """Wait for every submitted write.
@@ -81,7 +112,7 @@ class EngineWriter:
         while not self._idle.wait(0.05):
             started = self._running_since
             if started is not None and time.monotonic() - started > self.timeout + margin:
-                self.fail(f"a write did not return within {self.timeout + margin:.1f} s")
+                self.abandon(f"a write did not return within {self.timeout + margin:.1f} s")
                 return
 
     def close(self) -> None:
@@ -96,10 +127,10 @@ class EngineWriter:
                     self._write(job)
             finally:
                 self._running_since = None
-                job.lease.release()
+                job.release()
                 with self._lock:
-                    self._pending -= 1
-                    if self._pending == 0:
+                    self._outstanding.remove(job)
+                    if not self._outstanding:
                         self._idle.set()
 
     def _write(self, job: WriteJob) -> None:
@@ -107,11 +138,11 @@ class EngineWriter:
             job.peer.write(job.batch, timeout=self.timeout)
         except TransferError as exc:
             log.warning("write to %s failed: %s", job.target, exc)
-            self.fail(f"{job.target}: {exc}")
+            self.fail(f"{where(job.target.engine_id, job.target.rank)}: {exc}")
             return
         except Exception as exc:  # a transport bug must fail this engine, not the thread
             log.exception("write to %s raised", job.target)
-            self.fail(f"{job.target}: {type(exc).__name__}: {exc}")
+            self.fail(f"{where(job.target.engine_id, job.target.rank)}: {type(exc).__name__}: {exc}")
             return
         self.progress.bytes += job.batch.nbytes
         self.progress.last_done = time.monotonic()

@@ -27,10 +27,12 @@ def serve(
     hooks: EngineHooks | None = None,
     name_map: Callable[[str], str] | Mapping[str, str] | None = None,
     host: str = "127.0.0.1",
-    token: str = "",
+    token: str | None = None,
     transport_options: Mapping[str, Any] | None = None,
 ) -> EngineEndpoint:
     """Register `module`'s parameters, publish its table and serve control calls.
+
+    Control calls must carry `token` (default: the job's token from the rendezvous).
 
     Parameters are published under their HF names: `name_map` turns a module
     parameter name into one (a mapping or a function; identity by default). The

@@ -20,6 +20,10 @@ if TYPE_CHECKING:
     import torch
 
 
+def _is_float(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat"))
+
+
 class IdentityLayout(Layout):
     """One group per parameter: the HF tensor of the same name, cast to the engine's dtype."""
 
@@ -33,6 +37,12 @@ class IdentityLayout(Layout):
                 problems.append(
                     f"{where(table.engine_id, table.rank, p.name)}: shape {list(p.shape)} on the engine, "
                     f"{list(spec.shape)} on the trainer"
+                )
+            elif _is_float(spec.dtype) != _is_float(p.dtype):
+                # float -> float casts are what the engine's own `param.copy_` does; anything else is a mix-up
+                problems.append(
+                    f"{where(table.engine_id, table.rank, p.name)}: dtype {p.dtype} on the engine, "
+                    f"{spec.dtype} on the trainer"
                 )
         extra = sorted(set(sources) - {p.name for p in table.params})
         if extra:

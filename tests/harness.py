@@ -1,0 +1,111 @@
+"""Engines in their own processes and a trainer in the test process, for fault tests.
+
+A small torch model serves as both the trainer's model and each engine's; the
+trainer is one process without torch.distributed (FSDP2Source on an unsharded
+module), so tests drive `Session` directly and cheaply.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from p2psync.core.rendezvous import Rendezvous
+
+
+def small_model(seed: int, width: int = 32) -> torch.nn.Module:
+    """A few differently shaped parameters, random per seed."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Embedding(64, width),
+        torch.nn.Linear(width, 2 * width),
+        torch.nn.LayerNorm(2 * width),
+        torch.nn.Linear(2 * width, 16, bias=False),
+    )
+
+
+def engine_process(engine_id: str, port: int, job_id: str, transport: str, seed: int, width: int, stop: Any) -> None:
+    """A torch engine serving `small_model` until `stop` is set."""
+    from p2psync.adapters.torch import serve
+    from p2psync.core.logs import configure
+
+    configure(f"{engine_id} rank 0")
+    torch.set_num_threads(1)
+    model = small_model(seed, width)
+    rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id=job_id)
+    endpoint = serve(model, engine_id=engine_id, rendezvous=rendezvous, transport=transport)
+    stop.wait()
+    endpoint.close()
+
+
+@dataclass
+class Engines:
+    """Engine processes of one job; killed at the end of the `engines` context."""
+
+    rendezvous: Rendezvous
+    transport: str
+    width: int = 32
+    procs: dict[str, Any] = field(default_factory=dict)
+    stops: dict[str, Any] = field(default_factory=dict)
+
+    def start(self, engine_id: str, seed: int = 1, width: int | None = None) -> None:
+        ctx = mp.get_context("spawn")
+        stop = ctx.Event()
+        proc = ctx.Process(
+            target=engine_process,
+            args=(engine_id, self.rendezvous.port, self.rendezvous.job_id, self.transport, seed, width or self.width, stop),
+            name=engine_id,
+            daemon=True,
+        )
+        proc.start()
+        self.procs[engine_id], self.stops[engine_id] = proc, stop
+
+    def pid(self, engine_id: str) -> int:
+        return self.procs[engine_id].pid
+
+    def kill(self, engine_id: str) -> None:
+        os.kill(self.pid(engine_id), signal.SIGKILL)
+        self.procs[engine_id].join(10)
+
+    def freeze(self, engine_id: str) -> None:
+        os.kill(self.pid(engine_id), signal.SIGSTOP)
+
+    def thaw(self, engine_id: str) -> None:
+        os.kill(self.pid(engine_id), signal.SIGCONT)
+
+    def stop(self, engine_id: str) -> None:
+        proc = self.procs.pop(engine_id)
+        self.stops.pop(engine_id).set()
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+    def close(self) -> None:
+        for engine_id, proc in self.procs.items():
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGCONT)
+                self.stops[engine_id].set()
+        deadline = time.monotonic() + 10
+        for proc in self.procs.values():
+            proc.join(max(0.1, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+
+
+@contextmanager
+def engines(transport: str = "mooncake", job_id: str = "test", width: int = 32) -> Iterator[Engines]:
+    """A rendezvous hosted by the test process and a set of engine processes."""
+    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id=job_id, is_server=True, timeout=30)
+    group = Engines(rendezvous, transport, width)
+    try:
+        yield group
+    finally:
+        group.close()

@@ -1,0 +1,158 @@
+"""Faults: a killed or stuck engine is reported by name, the others complete and
+resume, and nothing leaks across many updates."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is not installed")
+
+import torch  # noqa: E402
+from harness import engines, small_model  # noqa: E402
+
+from p2psync.adapters.fsdp2 import FSDP2Source  # noqa: E402
+from p2psync.core.control import post  # noqa: E402
+from p2psync.core.errors import TransferError, TransferTimeout  # noqa: E402
+from p2psync.core.session import Session  # noqa: E402
+from p2psync.transports.mooncake.transport import MooncakePeer, MooncakeTransport  # noqa: E402
+
+TIMEOUT = 3.0
+MARGIN = 5.0
+
+
+def session_for(group, model, transport="mooncake", **kwargs) -> Session:
+    kwargs.setdefault("bucket_bytes", 1)  # one bucket per parameter: an update has several steps
+    kwargs.setdefault("transfer_timeout", TIMEOUT)
+    kwargs.setdefault("check", True)
+    return Session(source=FSDP2Source(model), transport=transport, rendezvous=group.rendezvous, **kwargs)
+
+
+def info(session: Session, engine: str) -> dict:
+    table = session.tables[engine][0]
+    return post(table.control_url, "info", token=session.token, timeout=10)
+
+
+def perturb(model: torch.nn.Module, step: int) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(step)))
+
+
+def test_killed_engine_is_stale_and_the_other_resumes():
+    with engines() as group:
+        group.start("a")
+        group.start("b")
+        model = small_model(0)
+        with session_for(group, model) as session:
+            session.connect(["a", "b"])
+            assert session.bucket_count > 2
+
+            def kill_b(done: int, total: int) -> None:
+                if done == 1:
+                    group.kill("b")
+
+            start = time.monotonic()
+            report = session.update("v1", progress=kill_b)
+            elapsed = time.monotonic() - start
+
+            assert report.stale == ["b"], report.format()
+            assert "'b'" in report.engines["b"].error
+            assert report.engines["a"].ok and report.engines["a"].checked
+            assert elapsed < TIMEOUT + MARGIN
+            assert info(session, "a") == {"version": "v1", "paused": False, "rank": 0}
+
+
+class FaultyTransport(MooncakeTransport):
+    """Mooncake whose writes to engine 'b' fail at once (`failing`) or never
+    complete (`stuck`: the peer is silent until the write's timeout)."""
+
+    failing = False
+    stuck = False
+
+    def open(self, table):
+        peer = super().open(table)
+        if table.engine_id != "b":
+            return peer
+        transport = self
+
+        class FaultyPeer(MooncakePeer):
+            def write(self, batch, *, timeout):
+                if transport.failing:
+                    raise TransferError(f"injected failure to {self.session}")
+                if transport.stuck:
+                    time.sleep(timeout)
+                    raise TransferTimeout(f"injected: write to {self.session} not done after {timeout:.1f} s")
+                super().write(batch, timeout=timeout)
+
+        return FaultyPeer(peer.engine, peer.session)
+
+
+def test_stuck_engine_is_stale_and_delays_the_other_by_at_most_one_timeout():
+    with engines() as group:
+        group.start("a")
+        group.start("b")
+        model = small_model(0)
+        transport = FaultyTransport()
+        with session_for(group, model, transport=transport) as session:
+            session.connect(["a", "b"])
+            assert session.bucket_count > 2
+
+            def stick_b(done: int, total: int) -> None:
+                transport.stuck = done >= 1
+
+            start = time.monotonic()
+            report = session.update("v1", progress=stick_b)
+            elapsed = time.monotonic() - start
+
+            assert report.stale == ["b"], report.format()
+            assert "'b'" in report.engines["b"].error and f"{TIMEOUT:.1f} s" in report.engines["b"].error
+            assert report.engines["a"].ok and report.engines["a"].checked
+            assert elapsed < TIMEOUT + MARGIN
+            # Still paused on its old weights: never resumed with mixed ones.
+            assert info(session, "b") == {"version": None, "paused": True, "rank": 0}
+            assert info(session, "a") == {"version": "v1", "paused": False, "rank": 0}
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_fifty_updates_with_failures_leak_nothing():
+    with engines(width=64) as group:
+        group.start("a")
+        group.start("b")
+        model = small_model(0, width=64)
+        transport = FaultyTransport()
+        with session_for(group, model, transport=transport) as session:
+            session.connect(["a", "b"])
+            session.update("warm-up")
+            gc.collect()
+            threads, registered, rss = threading.active_count(), len(transport._registered), rss_bytes()
+            for step in range(50):
+                transport.failing = step % 3 == 0
+                perturb(model, step)
+                report = session.update(f"v{step}")
+                assert report.engines["a"].ok, report.format()
+                assert report.engines["b"].ok is not transport.failing, report.format()
+            gc.collect()
+            assert threading.active_count() == threads
+            assert len(transport._registered) == registered
+            assert rss_bytes() - rss < 64 << 20
+            assert info(session, "b")["version"] == "v49"
+
+
+def test_two_hundred_verified_updates_without_a_mismatch():
+    with engines() as group:
+        group.start("a")
+        model = small_model(0)
+        with session_for(group, model, bucket_bytes=16 << 10) as session:
+            session.connect(["a"])
+            for step in range(200):
+                perturb(model, step)
+                report = session.update(f"v{step}")
+                assert report.ok and report.engines["a"].checked, report.format()
