@@ -32,14 +32,16 @@ def small_model(seed: int, width: int = 32) -> torch.nn.Module:
     )
 
 
-def engine_process(engine_id: str, port: int, job_id: str, transport: str, seed: int, width: int, stop: Any) -> None:
-    """A torch engine serving `small_model` until `stop` is set."""
+def engine_process(
+    engine_id: str, port: int, job_id: str, transport: str, seed: int, width: int, dtype: str, stop: Any
+) -> None:
+    """A torch engine serving `small_model` (in `dtype`) until `stop` is set."""
     from p2psync.adapters.torch import serve
     from p2psync.core.logs import configure
 
     configure(f"{engine_id} rank 0")
     torch.set_num_threads(1)
-    model = small_model(seed, width)
+    model = small_model(seed, width).to(getattr(torch, dtype))
     rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id=job_id)
     endpoint = serve(model, engine_id=engine_id, rendezvous=rendezvous, transport=transport)
     stop.wait()
@@ -56,12 +58,15 @@ class Engines:
     procs: dict[str, Any] = field(default_factory=dict)
     stops: dict[str, Any] = field(default_factory=dict)
 
-    def start(self, engine_id: str, seed: int = 1, width: int | None = None) -> None:
+    def start(self, engine_id: str, seed: int = 1, width: int | None = None, dtype: str = "float32") -> None:
         ctx = mp.get_context("spawn")
         stop = ctx.Event()
         proc = ctx.Process(
             target=engine_process,
-            args=(engine_id, self.rendezvous.port, self.rendezvous.job_id, self.transport, seed, width or self.width, stop),
+            args=(
+                engine_id, self.rendezvous.port, self.rendezvous.job_id, self.transport, seed, width or self.width,
+                dtype, stop,
+            ),
             name=engine_id,
             daemon=True,
         )

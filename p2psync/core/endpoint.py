@@ -115,6 +115,8 @@ class EngineEndpoint:
         return table
 
     def close(self) -> None:
+        """Withdraw the table, stop serving control calls, unregister the memory."""
+        self.rendezvous.unpublish(self.engine_id, self.rank)
         if self._server is not None:
             self._server.close()
             self._server = None

@@ -67,6 +67,11 @@ class Rendezvous:
         self.store.set(f"{prefix}/rank/{table.rank}", table.to_json())
         log.info("published target table of %s rank %d (%d parameters)", table.engine_id, table.rank, len(table.params))
 
+    def unpublish(self, engine_id: str, rank: int) -> None:
+        """Withdraw one engine rank's table (on a clean shutdown), so that trainers
+        connecting later wait for its successor instead of reaching a dead rank."""
+        self.store.delete_key(f"engine/{engine_id}/rank/{rank}")
+
     def read_engine(self, engine_id: str, timeout: float | None = None) -> list[TargetTable]:
         """Every rank's table of one engine, waiting up to `timeout` for them to appear."""
         timeout = self.timeout if timeout is None else timeout

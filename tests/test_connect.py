@@ -1,0 +1,217 @@
+"""Connect: engines that come and go, bad input refused with a clear error before
+anything is written, and only the job's trainer admitted."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is not installed")
+
+import torch  # noqa: E402
+from harness import engines, small_model  # noqa: E402
+
+from p2psync.adapters.fsdp2 import FSDP2Source  # noqa: E402
+from p2psync.adapters.torch import serve  # noqa: E402
+from p2psync.adapters.torch.target import TorchEngineTarget  # noqa: E402
+from p2psync.core.control import post  # noqa: E402
+from p2psync.core.errors import ConnectError  # noqa: E402
+from p2psync.core.rendezvous import Rendezvous  # noqa: E402
+from p2psync.core.session import Session  # noqa: E402
+from p2psync.core.transport import Transport  # noqa: E402
+from p2psync.core.types import TargetParam, TargetTable  # noqa: E402
+from p2psync.transports.mooncake.transport import MooncakeTransport  # noqa: E402
+
+
+class CountingTransport(MooncakeTransport):
+    opened: list[str]
+
+    def open(self, table):
+        self.opened.append(table.engine_id)
+        return super().open(table)
+
+
+def session_for(rendezvous, model=None, **kwargs) -> Session:
+    kwargs.setdefault("transfer_timeout", 5.0)
+    kwargs.setdefault("check", True)
+    kwargs.setdefault("transport", "mooncake")
+    return Session(source=FSDP2Source(model or small_model(0)), rendezvous=rendezvous, **kwargs)
+
+
+def test_engines_join_leave_and_restart_without_rebuilding_the_others(monkeypatch):
+    built = []
+    original = TorchEngineTarget.layout
+    monkeypatch.setattr(TorchEngineTarget, "layout", lambda self, t, s: built.append(t.engine_id) or original(self, t, s))
+    transport = CountingTransport()
+    transport.opened = []
+    with engines() as group:
+        group.start("a")
+        group.start("b")
+        with session_for(group.rendezvous, transport=transport) as session:
+            session.connect(["a", "b"])
+            assert session.update("v1").ok
+            assert (built, transport.opened) == (["a"], ["a", "b"])  # one layout key, two peers
+
+            group.start("c", dtype="bfloat16")  # joins, with a layout of its own
+            session.connect(["a", "b", "c"])
+            assert (built[1:], transport.opened[2:]) == (["c"], ["c"])
+            assert session.update("v2").ok
+
+            group.stop("b")  # leaves
+            session.connect(["a", "c"])
+            assert {t.engine_id for t in session.plan.assignment} == {"a", "c"}
+            assert (built[2:], transport.opened[3:]) == ([], [])
+            report = session.update("v3")
+            assert report.ok and set(report.engines) == {"a", "c"}
+
+            group.stop("a")  # restarts: new process, new addresses, same layout key
+            group.start("a", seed=7)
+            session.connect(["a", "c"])
+            assert (built[2:], transport.opened[3:]) == ([], ["a"])
+            assert session.update("v4").ok
+
+
+def test_shape_mismatch_is_refused_at_connect_and_nothing_is_written():
+    with engines() as group:
+        group.start("wide", width=48)
+        with session_for(group.rendezvous) as session:
+            with pytest.raises(ConnectError) as error:
+                session.connect(["wide"])
+        assert "engine 'wide' rank 0 parameter '1.weight'" in str(error.value)
+        assert "shape [96, 48] on the engine, [64, 32] on the trainer" in str(error.value)
+        table = group.rendezvous.read_engine("wide")[0]
+        token = group.rendezvous.token()
+        assert post(table.control_url, "info", token=token, timeout=5) == {"version": None, "paused": False, "rank": 0}
+
+
+def test_a_trainer_with_another_token_is_refused():
+    with engines() as group:
+        group.start("a")
+        with session_for(group.rendezvous, token="not-this-job") as session:
+            with pytest.raises(ConnectError, match="engine 'a' rank 0.*403.*wrong or missing job token"):
+                session.connect(["a"])
+
+
+def fake_table(rendezvous: Rendezvous, **changes) -> TargetTable:
+    """The table a torch engine with `small_model` would publish, with `changes`."""
+    model = small_model(0)
+    params = tuple(
+        TargetParam(name, tuple(p.shape), "float32", 4096 * (i + 1), p.numel() * 4)
+        for i, (name, p) in enumerate(model.named_parameters())
+    )
+    table = TargetTable(
+        engine_id="x", rank=0, world_size=1, engine="torch", layout_key={"params": "fake"}, transport="mooncake",
+        transport_info={"session": "127.0.0.1:1"}, control_url="http://127.0.0.1:1", params=params,
+        job_id=rendezvous.job_id,
+    )
+    return dataclasses.replace(table, **changes)
+
+
+def without(params, name):
+    return tuple(p for p in params if p.name != name)
+
+
+def as_dtype(params, name, dtype):
+    return tuple(dataclasses.replace(p, dtype=dtype, nbytes=p.nbytes // 4 * 4) if p.name == name else p for p in params)
+
+
+BAD_TABLES = {
+    "engine lacks a trainer tensor": (
+        lambda t: {"params": without(t.params, "3.weight")},
+        "engine 'x' rank 0: no parameter for trainer HF tensors ['3.weight']",
+    ),
+    "engine has a tensor the trainer lacks": (
+        lambda t: {"params": t.params + (TargetParam("extra.weight", (4,), "float32", 1 << 20, 16),)},
+        "engine 'x' rank 0 parameter 'extra.weight': the trainer has no such HF tensor",
+    ),
+    "dtype of another kind": (
+        lambda t: {"params": as_dtype(t.params, "0.weight", "int32")},
+        "engine 'x' rank 0 parameter '0.weight': dtype int32 on the engine, float32 on the trainer",
+    ),
+    "no adapter for the engine kind": (
+        lambda t: {"engine": "nosuchengine"},
+        "engine 'x' rank 0: no engine target named 'nosuchengine' is installed",
+    ),
+    "another transport": (
+        lambda t: {"transport": "nixl"},
+        "engine 'x' rank 0 published for transport 'nixl', but this trainer uses 'mooncake'",
+    ),
+    "another job": (
+        lambda t: {"job_id": "other-job"},
+        "engine 'x' rank 0 joined job 'other-job'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TABLES))
+def test_bad_tables_are_refused_with_a_clear_error(case):
+    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="bad", is_server=True, timeout=2)
+    change, message = BAD_TABLES[case]
+    table = fake_table(rendezvous)
+    rendezvous.publish(dataclasses.replace(table, **change(table)))
+    with session_for(rendezvous) as session:
+        with pytest.raises(ConnectError) as error:
+            session.connect(["x"])
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        (b'{"engine_id": "x", "rank": 0, "wor', "target table does not parse"),
+        (b"\x00\xffgarbage", "target table does not parse"),
+        (b'{"engine_id": "x"}', "target table does not parse"),
+    ],
+    ids=["truncated", "garbage", "missing fields"],
+)
+def test_corrupted_rendezvous_data_is_refused(payload, message):
+    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="bad", is_server=True, timeout=2)
+    rendezvous.set("engine/x/world_size", "1")
+    rendezvous.set("engine/x/rank/0", payload)
+    with session_for(rendezvous) as session:
+        with pytest.raises(ConnectError, match=message):
+            session.connect(["x"])
+
+
+def test_missing_engine_is_refused_in_time():
+    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="bad", is_server=True, timeout=1)
+    with session_for(rendezvous) as session:
+        with pytest.raises(ConnectError, match="engine 'ghost'.*not available within 1 s"):
+            session.connect(["ghost"])
+
+
+class RecordingTransport(Transport):
+    name = "mooncake"
+    exposed: list[tuple[int, int]]
+
+    def expose(self, tensors):
+        self.exposed = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
+        return {"session": "127.0.0.1:1"}
+
+    def register_buffer(self, buffer):
+        raise AssertionError("engines register no buffers")
+
+    def unregister_buffer(self, buffer):
+        raise AssertionError("engines register no buffers")
+
+    def open(self, table):
+        raise AssertionError("engines open no peers")
+
+    def close(self):
+        pass
+
+
+def test_an_engine_registers_exactly_its_parameter_memory():
+    model = small_model(0)
+    model.register_buffer("running_stat", torch.zeros(1000))  # not a parameter: never exposed
+    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="reg", is_server=True)
+    transport = RecordingTransport()
+    endpoint = serve(model, engine_id="e", rendezvous=rendezvous, transport=transport)
+    try:
+        expected = sorted((p.data_ptr(), p.numel() * p.element_size()) for p in model.parameters())
+        assert sorted(transport.exposed) == expected
+        published = rendezvous.read_engine("e")[0]
+        assert sorted((p.addr, p.nbytes) for p in published.params) == expected
+    finally:
+        endpoint.close()
