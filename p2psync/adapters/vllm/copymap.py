@@ -1,0 +1,120 @@
+"""Copy maps: element maps compressed into strided copies, and their replay.
+
+A parameter's copied elements become 1-D runs (destination and source both
+advance by one, same input), and runs of equal length with a constant step on
+both sides become one 2-D block: a TP shard of a row-split weight is one block,
+a column-split one is one block of `rows` runs. Constants the loader writes
+(zeroed padding) become fills the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .probe import CONSTANT, COPY, UNTOUCHED, ElementMap
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Block:
+    """`dst.as_strided(sizes, dst_strides, dst_offset)` gets input `source`'s
+    `as_strided(sizes, src_strides, src_offset)`, or `value` where `source` is None.
+    Offsets and strides count elements of the flattened tensors."""
+
+    source: str | None
+    sizes: tuple[int, ...]
+    dst_offset: int
+    dst_strides: tuple[int, ...]
+    src_offset: int = 0
+    src_strides: tuple[int, ...] = ()
+    value: float = 0.0
+
+
+def written_runs(element_map: ElementMap) -> list[tuple[int, int]]:
+    """(first element, count) of each run of elements the loader writes."""
+    import torch
+
+    positions = (element_map.kind != UNTOUCHED).nonzero().squeeze(1)
+    return [(d, n) for d, _, n, _ in _runs(positions, positions, torch.zeros_like(positions))]
+
+
+def compile_blocks(element_map: ElementMap, inputs: Sequence[tuple[str, int]]) -> list[Block]:
+    """Blocks reproducing a pure element map; `inputs` are (name, first code) in code order."""
+    import torch
+
+    names = [name for name, _ in inputs]
+    starts = torch.tensor([start for _, start in inputs], dtype=torch.int64)
+    blocks: list[Block] = []
+
+    copied = (element_map.kind == COPY).nonzero().squeeze(1)
+    codes = element_map.source[copied]
+    which = torch.searchsorted(starts, codes, right=True) - 1
+    for (d, s, n, k), rows, step_d, step_s in _blocks(_runs(copied, codes - starts[which], which)):
+        sizes, dst_strides, src_strides = ((rows, n), (step_d, 1), (step_s, 1)) if rows > 1 else ((n,), (1,), (1,))
+        blocks.append(Block(names[k], sizes, d, dst_strides, s, src_strides))
+
+    constant = (element_map.kind == CONSTANT).nonzero().squeeze(1)
+    bits = element_map.value[constant].view(torch.int64)
+    for d, _, n, key in _runs(constant, constant, bits):
+        blocks.append(Block(None, (n,), d, (1,), value=float(torch.tensor(key).view(torch.float64))))
+    return blocks
+
+
+def replay(blocks: Sequence[Block], tensors: Mapping[str, torch.Tensor], dst: torch.Tensor) -> None:
+    """Write `blocks` into the flat parameter view `dst`, from the full HF `tensors`."""
+    import torch
+
+    flat: dict[str, torch.Tensor] = {}
+    for b in blocks:
+        target = torch.as_strided(dst, b.sizes, b.dst_strides, dst.storage_offset() + b.dst_offset)
+        if b.source is None:
+            target.fill_(b.value)
+            continue
+        src = flat.get(b.source)
+        if src is None:
+            src = flat[b.source] = tensors[b.source].contiguous().view(-1)
+        target.copy_(torch.as_strided(src, b.sizes, b.src_strides, src.storage_offset() + b.src_offset))
+
+
+def _runs(dst: torch.Tensor, src: torch.Tensor, key: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """(dst start, src start, length, key) of maximal runs where dst and src advance by one
+    and key stays the same."""
+    import torch
+
+    if dst.numel() == 0:
+        return []
+    new = torch.ones(dst.numel(), dtype=torch.bool)
+    new[1:] = (dst[1:] != dst[:-1] + 1) | (src[1:] != src[:-1] + 1) | (key[1:] != key[:-1])
+    first = new.nonzero().squeeze(1)
+    length = torch.diff(first, append=torch.tensor([dst.numel()]))
+    return list(zip(dst[first].tolist(), src[first].tolist(), length.tolist(), key[first].tolist()))
+
+
+def _blocks(runs: list[tuple[int, int, int, int]]) -> list[tuple[tuple[int, int, int, int], int, int, int]]:
+    """Greedy merge of consecutive runs of equal length and input with constant steps:
+    (first run, how many runs, dst step, src step)."""
+    out = []
+    i = 0
+    while i < len(runs):
+        d, s, n, k = runs[i]
+        j = i
+        if i + 1 < len(runs) and runs[i + 1][2] == n and runs[i + 1][3] == k and runs[i + 1][1] >= s:
+            step_d, step_s = runs[i + 1][0] - d, runs[i + 1][1] - s  # as_strided takes no negative strides
+            j = i + 1
+            while (
+                j + 1 < len(runs)
+                and runs[j + 1][2] == n
+                and runs[j + 1][3] == k
+                and runs[j + 1][0] - runs[j][0] == step_d
+                and runs[j + 1][1] - runs[j][1] == step_s
+            ):
+                j += 1
+            out.append((runs[i], j - i + 1, step_d, step_s))
+        else:
+            out.append((runs[i], 1, 0, 0))
+        i = j + 1
+    return out

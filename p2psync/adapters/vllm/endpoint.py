@@ -1,0 +1,55 @@
+"""Engine side of a vLLM rank: expose its live parameters to trainers.
+
+Used by the `p2psync` weight-transfer backend inside a vLLM worker, and directly
+by anything else that holds a vLLM rank model (tests build one per process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ...core.endpoint import EngineEndpoint, EngineHooks
+from ...core.plugins import registry
+from ...core.transport import Transport
+from . import shim
+
+if TYPE_CHECKING:
+    import torch
+
+    from ...core.rendezvous import Rendezvous
+
+
+def serve(
+    model: torch.nn.Module,
+    vllm_config: Any,
+    *,
+    rank: int,
+    engine_id: str,
+    rendezvous: Rendezvous,
+    transport: Transport | str,
+    hooks: EngineHooks | None = None,
+    host: str = "127.0.0.1",
+    token: str = "",
+    transport_options: Mapping[str, Any] | None = None,
+) -> EngineEndpoint:
+    """Register the rank's parameters, publish its table (vLLM names, vLLM layout key) and
+    serve control calls. The parameters must be those vLLM loads into, before any
+    post-processing that changes their bytes or storage."""
+    if isinstance(transport, str):
+        transport = registry().transport(transport)(options=transport_options)
+    endpoint = EngineEndpoint(
+        engine="vllm",
+        engine_id=engine_id,
+        rank=rank,
+        world_size=vllm_config.parallel_config.tensor_parallel_size,
+        params={name: p.data for name, p in model.named_parameters()},
+        layout_key=shim.layout_key(vllm_config),
+        transport=transport,
+        rendezvous=rendezvous,
+        hooks=hooks,
+        host=host,
+        token=token,
+    )
+    endpoint.start()
+    return endpoint

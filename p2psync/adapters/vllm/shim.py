@@ -1,0 +1,175 @@
+"""Every reach into vLLM internals, pinned to one vLLM version.
+
+The layouts run vLLM's own model classes and loaders outside a vLLM worker: in
+a trainer process (which may already have its own torch.distributed world) and
+for any TP rank, several ranks in one process. So instead of vLLM's distributed
+initialization, the model-parallel groups are set to stand-in coordinators that
+only answer rank and size, for the duration of a `rank_state` block. Nothing
+here communicates. Each function imports vLLM lazily, so `import p2psync`
+never does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+VLLM_VERSION = "0.33.0"
+#: The model-parallel groups vLLM 0.33.0 keeps in `parallel_state`; all but TP are size 1 here.
+_GROUPS = ("_WORLD", "_TP", "_PP", "_DP", "_EP", "_DCP", "_PCP", "_ETP", "_EPLB", "_INNER_DP_WORLD", "_ENGRAM_DP")
+
+
+def import_vllm() -> Any:
+    """Import vLLM, on CPU where there is no GPU, and check its version."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # else configs fail: "Device string must not be empty"
+    import vllm
+
+    if vllm.__version__ != VLLM_VERSION:
+        raise RuntimeError(
+            f"p2psync's vLLM adapter is pinned to vllm=={VLLM_VERSION} (it builds vLLM's model "
+            f"classes outside a worker), but vllm {vllm.__version__} is installed"
+        )
+    return vllm
+
+
+def version() -> str:
+    return import_vllm().__version__
+
+
+@lru_cache(maxsize=None)
+def _config_dir(config_json: str) -> str:
+    """A directory holding only `config.json`, kept for the process's life (vLLM reads it lazily)."""
+    path = tempfile.mkdtemp(prefix="p2psync-vllm-config-")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        f.write(config_json)
+    return path
+
+
+def engine_config(hf_config: dict[str, Any], *, tp: int, dtype: str) -> Any:
+    """A VllmConfig for `hf_config` at TP size `tp`, built without weights, tokenizer or devices."""
+    import_vllm()
+    from vllm.engine.arg_utils import EngineArgs
+
+    path = _config_dir(json.dumps(hf_config, sort_keys=True))
+    return EngineArgs(
+        model=path, tensor_parallel_size=tp, dtype=dtype, skip_tokenizer_init=True,
+        enforce_eager=True, load_format="dummy",
+    ).create_engine_config()
+
+
+def layout_key(vllm_config: Any) -> dict[str, Any]:
+    """Everything that decides a rank's bytes, including the HF config, so a trainer
+    can rebuild the rank model without any files."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    hf_config = json.loads(model.hf_config.to_json_string(use_diff=False))
+    text = json.dumps(hf_config, sort_keys=True)
+    return {
+        "vllm": version(),
+        "architecture": model.architectures[0],
+        "hf_config_sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "hf_config": hf_config,
+        "tp": parallel.tensor_parallel_size,
+        "pp": parallel.pipeline_parallel_size,
+        "dp": parallel.data_parallel_size,
+        "ep": bool(parallel.enable_expert_parallel),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "quantization": model.quantization,
+    }
+
+
+def _stand_in(rank: int, size: int) -> Any:
+    """A GroupCoordinator that answers rank and size only (its properties derive from these)."""
+    from vllm.distributed.parallel_state import GroupCoordinator
+
+    group = object.__new__(GroupCoordinator)
+    group.__dict__.update(
+        unique_name=f"p2psync-stand-in:{rank}/{size}", rank=rank, ranks=list(range(size)), world_size=size,
+        rank_in_group=rank, local_rank=rank, device_group=None, cpu_group=None,
+        use_device_communicator=False, device_communicator=None, mq_broadcaster=None,
+    )
+    return group
+
+
+@contextmanager
+def rank_state(vllm_config: Any, rank: int) -> Iterator[None]:
+    """Make vLLM see TP rank `rank` of `vllm_config` (and its config as current) inside the block."""
+    import_vllm()
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state
+
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    saved = {name: getattr(parallel_state, name, None) for name in _GROUPS}
+    for name in _GROUPS:
+        setattr(parallel_state, name, _stand_in(0, 1))
+    parallel_state._WORLD = _stand_in(rank, tp)
+    parallel_state._TP = _stand_in(rank, tp)
+    try:
+        with set_current_vllm_config(vllm_config):
+            yield
+    finally:
+        for name, group in saved.items():
+            setattr(parallel_state, name, group)
+
+
+def build_model(vllm_config: Any, rank: int, device: str) -> torch.nn.Module:
+    """vLLM's model of TP rank `rank`, on `device` ("meta" for no storage), before any load."""
+    import torch
+
+    import_vllm()
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    with rank_state(vllm_config, rank), set_default_torch_dtype(vllm_config.model_config.dtype), torch.device(device):
+        return initialize_model(vllm_config=vllm_config)
+
+
+def load_weights(model: torch.nn.Module, vllm_config: Any, rank: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """vLLM's own `model.load_weights`, as TP rank `rank` (no post-processing)."""
+    with rank_state(vllm_config, rank):
+        model.load_weights(weights)
+
+
+def weight_loader(param: torch.nn.Parameter) -> Callable[..., Any]:
+    """The loader vLLM calls for `param` (models fall back to the default one)."""
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    return getattr(param, "weight_loader", default_weight_loader)
+
+
+def like(param: torch.nn.Parameter, data: torch.Tensor) -> torch.nn.Parameter:
+    """A parameter of `param`'s class and attributes over `data` (as vLLM's layerwise
+    reload materializes meta parameters: `.data` cannot move between meta and a device)."""
+    import torch
+
+    new = torch.nn.Parameter(data, requires_grad=False)
+    new.__class__ = param.__class__
+    new.__dict__ = param.__dict__.copy()
+    return new
+
+
+def post_process(model: torch.nn.Module, vllm_config: Any, device: torch.device) -> None:
+    """vLLM's post-load step (derived tensors such as MLA's absorbed projections)."""
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    with vllm_config_context(vllm_config):
+        process_weights_after_loading(model, vllm_config.model_config, device)
+
+
+@contextmanager
+def vllm_config_context(vllm_config: Any) -> Iterator[None]:
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(vllm_config):
+        yield

@@ -1,0 +1,81 @@
+"""Tiny models and vLLM rank models for the vLLM adapter tests (no downloads)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: Tiny configs: KV heads fewer than some TP sizes (replication), vocab not a multiple of
+#: the padding (vLLM pads the vocab to 64 per rank), tied and untied embeddings, MoE and MLA.
+CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen2": dict(
+        cls="Qwen2Config", architectures=["Qwen2ForCausalLM"], vocab_size=250, hidden_size=64,
+        intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        tie_word_embeddings=True,
+    ),
+    "qwen3": dict(
+        cls="Qwen3Config", architectures=["Qwen3ForCausalLM"], vocab_size=300, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        tie_word_embeddings=False,
+    ),
+    "qwen3_moe": dict(
+        cls="Qwen3MoeConfig", architectures=["Qwen3MoeForCausalLM"], vocab_size=256, hidden_size=64,
+        intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, decoder_sparse_step=1,
+        mlp_only_layers=[], tie_word_embeddings=False,
+    ),
+    "deepseek_v2": dict(
+        cls="DeepseekV2Config", architectures=["DeepseekV2ForCausalLM"], vocab_size=256, hidden_size=64,
+        intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, first_k_dense_replace=1, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, n_group=1, topk_group=1, topk_method="greedy", tie_word_embeddings=False,
+    ),
+    "deepseek_v3": dict(
+        cls="DeepseekV3Config", architectures=["DeepseekV3ForCausalLM"], vocab_size=256, hidden_size=64,
+        intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, first_k_dense_replace=1, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, n_group=1, topk_group=1, tie_word_embeddings=False,
+    ),
+}
+
+
+def hf_config(kind: str, dtype: str = "bfloat16") -> Any:
+    import transformers
+
+    options = dict(CONFIGS[kind])
+    config = getattr(transformers, options.pop("cls"))(**options, max_position_embeddings=256)
+    config.dtype = dtype
+    return config
+
+
+def hf_model(kind: str, seed: int) -> Any:
+    """A randomly initialized transformers model of `kind` (eager attention, eval mode)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = hf_config(kind, dtype="float32")
+    config._attn_implementation = "eager"
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def hf_tensors(kind: str, seed: int) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors (HF names, as saved by save_pretrained) of a random model."""
+    from safetensors.torch import load_file
+
+    model = hf_model(kind, seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        out: dict[str, torch.Tensor] = {}
+        for path in sorted(Path(tmp).glob("*.safetensors")):
+            out.update(load_file(str(path)))
+    return out
+
+
+def hf_config_dict(kind: str) -> dict[str, Any]:
+    return json.loads(hf_config(kind).to_json_string(use_diff=False))
