@@ -151,7 +151,7 @@ def trainer_main(rank: int, opts: DemoOptions, port: int, results: Any) -> None:
             got = {}
             for table in session.tables.values():
                 if report.engines[table[0].engine_id].ok:
-                    got[table[0].engine_id] = post(table[0].control_url, "generate", {}, timeout=120)["tokens"]
+                    got[table[0].engine_id] = post(table[0].control_url, "generate", {}, token=session.token, timeout=120)["tokens"]
             reports.append(report)
             generations.append({"trainer": expected, **got})
     if bar:

@@ -274,11 +274,6 @@ def test_plugin_package_declares_what_the_module_provides() -> None:
     assert (PLUGIN_PKG / f"{MODULE}.py").is_file()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: Plugins.load silently skips an entry point whose name another package already used "
-    "(here the built-in `torch` engine target vanishes)",
-)
 def test_entry_point_name_taken_by_another_package_is_not_dropped_silently(on_path: Path) -> None:
     install_dist(on_path, {"torch": MODULE}, name="p2psync-torchx", version="1.0")
     try:

@@ -118,12 +118,6 @@ def test_corrupted_table_raises_rendezvous_error(name: str) -> None:
         pytest.param("42", id="number"),
     ],
 )
-@pytest.mark.xfail(
-    raises=AttributeError,
-    strict=True,
-    reason="bug: TargetTable.from_json calls raw.pop() before checking raw is an object; "
-    "AttributeError escapes instead of RendezvousError",
-)
 def test_table_json_that_is_not_an_object_raises_rendezvous_error(text: str) -> None:
     with pytest.raises(RendezvousError, match="target table does not parse"):
         TargetTable.from_json(text)

@@ -101,9 +101,21 @@ class Plugins:
             package = ep.dist.metadata["name"] if ep.dist is not None else "unknown"
             if not autoload and package != "p2psync":
                 continue
-            if manager.get_plugin(ep.name) is not None or manager.is_blocked(ep.name):
+            if manager.is_blocked(ep.name):
                 continue
-            plugins.register(ep.load(), name=ep.name, package=package, version=ep.dist.version if ep.dist else "unknown")
+            if manager.get_plugin(ep.name) is not None:
+                taken = plugins.packages[ep.name][0]
+                if taken == package:  # the same distribution found twice on sys.path
+                    continue
+                raise PluginError(
+                    f"entry point {ep.name!r} of group {hookspecs.PROJECT!r} is declared by package "
+                    f"{taken!r} and by package {package!r}"
+                )
+            try:
+                module = ep.load()
+            except Exception as exc:  # name the package whose plugin is broken
+                raise PluginError(f"plugin {ep.name!r} of package {package!r} does not load: {exc!r}") from exc
+            plugins.register(module, name=ep.name, package=package, version=ep.dist.version if ep.dist else "unknown")
         return plugins
 
     def register(self, plugin: object, *, name: str, package: str | None = None, version: str = "unknown") -> None:

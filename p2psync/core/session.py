@@ -363,6 +363,7 @@ class Session:
                 if lease is None or offset + group.nbytes > self._pool.nbytes:
                     if lease is not None:
                         self._submit(unit, lease, regions)
+                        lease = None  # _submit released the filler's reference
                     lease, regions, offset = self._pool.acquire(self.transfer_timeout, self._abandon_laggards), [], 0
                 out = lease.tensor[offset : offset + group.nbytes]
                 written = [

@@ -89,6 +89,8 @@ class TargetTable:
     def from_json(cls, text: str | bytes) -> TargetTable:
         try:
             raw = json.loads(text)
+            if not isinstance(raw, dict):
+                raise TypeError(f"expected a JSON object, got {type(raw).__name__}")
             params = tuple(
                 TargetParam(
                     name=str(p["name"]),

@@ -110,6 +110,9 @@ class EngineWriter:
         overrun it by `margin` seconds, the engine is failed and not waited for.
         """
         while not self._idle.wait(0.05):
+            if not self._thread.is_alive():
+                self.abandon("the write thread stopped")
+                return
             started = self._running_since
             if started is not None and time.monotonic() - started > self.timeout + margin:
                 self.abandon(f"a write did not return within {self.timeout + margin:.1f} s")

@@ -1,0 +1,197 @@
+"""Base test classes. Subclass one, provide its fixture, and pytest runs its tests."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from ..core.errors import ConnectError, TransferError
+from ..core.layout import Layout
+from ..core.source import TrainerSource
+from ..core.transport import Transport, WriteBatch
+from ..core.types import ParamSpec, TargetParam, TargetTable
+
+#: Upper bound on how far past its timeout a failing write may return.
+TIMEOUT_MARGIN = 5.0
+
+
+def table_for(transport: Transport, tensors: Mapping[str, torch.Tensor], info: dict[str, Any]) -> TargetTable:
+    """A target table for `tensors` exposed through `transport`."""
+    return TargetTable(
+        engine_id="conformance", rank=0, world_size=1, engine="torch", layout_key={}, transport=transport.name,
+        transport_info=info, control_url="", job_id="conformance",
+        params=tuple(
+            TargetParam(n, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.data_ptr(), t.numel() * t.element_size())
+            for n, t in tensors.items()
+        ),
+    )
+
+
+class TransportTests:
+    """Every transport: bytes land exactly where they are written, and a lost peer
+    fails within the timeout. Provide `make_transport` (a factory of new instances
+    of the transport under test); engine and trainer sides run in this process."""
+
+    @pytest.fixture
+    def make_transport(self) -> Callable[[], Transport]:
+        raise NotImplementedError("subclasses provide make_transport")
+
+    @pytest.fixture
+    def pair(self, make_transport: Callable[[], Transport]):
+        from ..core.rendezvous import Rendezvous
+
+        rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="conformance", is_server=True, timeout=10)
+        engine, trainer = make_transport(), make_transport()
+        engine.bind(rendezvous)
+        trainer.bind(rendezvous)
+        yield engine, trainer
+        trainer.close()
+        engine.close()
+
+    def test_writes_land_bit_for_bit(self, pair: tuple[Transport, Transport]) -> None:
+        engine, trainer = pair
+        params = {"a": torch.zeros(1000, dtype=torch.float32), "b": torch.zeros(3, 7, dtype=torch.bfloat16)}
+        table = table_for(engine, params, engine.expose(list(params.values())))
+        buffer = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8)
+        trainer.register_buffer(buffer)
+        peer = trainer.open(table)
+        batch = WriteBatch()
+        batch.add(buffer.data_ptr() + 64, params["a"].data_ptr(), 4000)
+        batch.add(buffer.data_ptr() + 8192, params["b"].data_ptr() + 2, 40)  # a region inside a parameter
+        peer.write(batch, timeout=30)
+        assert torch.equal(params["a"].view(torch.uint8), buffer[64:4064])
+        b = params["b"].view(torch.uint8).reshape(-1)
+        assert torch.equal(b[2:42], buffer[8192:8232])
+        assert not b[:2].any() and not b[42:].any(), "bytes outside the written region changed"
+        peer.close()
+        trainer.unregister_buffer(buffer)
+
+    def test_write_to_a_closed_peer_fails_in_time(self, pair: tuple[Transport, Transport]) -> None:
+        engine, trainer = pair
+        params = {"a": torch.zeros(256)}
+        table = table_for(engine, params, engine.expose(list(params.values())))
+        buffer = torch.ones(1 << 12, dtype=torch.uint8)
+        trainer.register_buffer(buffer)
+        peer = trainer.open(table)
+        engine.close()
+        batch = WriteBatch()
+        batch.add(buffer.data_ptr(), params["a"].data_ptr(), 1024)
+        start = time.monotonic()
+        with pytest.raises(TransferError):
+            peer.write(batch, timeout=2)
+        assert time.monotonic() - start < 2 + TIMEOUT_MARGIN
+
+
+@dataclass
+class EngineCase:
+    """A target table, the trainer's HF tensors, and the bytes the engine's own
+    loader produced on that rank from them (parameter name -> tensor)."""
+
+    table: TargetTable
+    sources: dict[str, torch.Tensor]
+    expected: dict[str, torch.Tensor]
+    layout: Callable[[TargetTable, Mapping[str, ParamSpec]], Layout]
+
+
+def specs_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, ParamSpec]:
+    return {n: ParamSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in tensors.items()}
+
+
+class EngineTargetTests:
+    """Every engine target: its layout reproduces, bit for bit, what the engine's own
+    loader writes on that rank. Provide `engine_case` (an EngineCase)."""
+
+    @pytest.fixture
+    def engine_case(self) -> EngineCase:
+        raise NotImplementedError("subclasses provide engine_case")
+
+    def test_groups_cover_every_parameter_once(self, engine_case: EngineCase) -> None:
+        layout = engine_case.layout(engine_case.table, specs_of(engine_case.sources))
+        outputs = [name for g in layout.groups() for name in g.outputs]
+        assert sorted(outputs) == sorted(p.name for p in engine_case.table.params)
+        for group in layout.groups():
+            assert set(group.inputs) <= set(engine_case.sources), group
+
+    def test_layout_bytes_equal_the_engine_loader(self, engine_case: EngineCase) -> None:
+        layout = engine_case.layout(engine_case.table, specs_of(engine_case.sources))
+        params = {p.name: p for p in engine_case.table.params}
+        held = {n: torch.zeros(p.nbytes, dtype=torch.uint8) for n, p in params.items()}
+        written = {n: torch.zeros(p.nbytes, dtype=torch.bool) for n, p in params.items()}
+        for group in layout.groups():
+            out = torch.zeros(group.nbytes, dtype=torch.uint8)
+            for r in layout.fill(group, engine_case.sources, out):
+                held[r.param][r.param_offset : r.param_offset + r.nbytes] = out[r.buffer_offset : r.buffer_offset + r.nbytes]
+                written[r.param][r.param_offset : r.param_offset + r.nbytes] = True
+        for name, expected in engine_case.expected.items():
+            want = expected.contiguous().reshape(-1).view(torch.uint8)
+            mask = written[name]
+            assert mask.any(), f"{name}: nothing written"
+            assert torch.equal(held[name][mask], want[mask]), f"{name}: bytes differ from the engine's loader"
+
+    def test_a_shape_the_trainer_does_not_have_is_refused(self, engine_case: EngineCase) -> None:
+        name, tensor = next(iter(engine_case.sources.items()))
+        wrong = dict(specs_of(engine_case.sources))
+        wrong[name] = ParamSpec(name, (*tensor.shape[:-1], tensor.shape[-1] + 1), wrong[name].dtype)
+        with pytest.raises(ConnectError, match="engine '.*' rank"):
+            engine_case.layout(engine_case.table, wrong)
+
+
+@dataclass
+class SourceCase:
+    """A trainer source and the HF tensors it must yield."""
+
+    source: TrainerSource
+    expected: dict[str, torch.Tensor]
+
+
+class TrainerSourceTests:
+    """Every trainer source: HF names, shapes and full tensors as the HF model has them.
+    Provide `source_case` (a SourceCase)."""
+
+    @pytest.fixture
+    def source_case(self) -> SourceCase:
+        raise NotImplementedError("subclasses provide source_case")
+
+    def test_specs_name_every_hf_tensor(self, source_case: SourceCase) -> None:
+        specs = {s.name: s for s in source_case.source.param_specs()}
+        assert set(specs) == set(source_case.expected)
+        for name, tensor in source_case.expected.items():
+            assert specs[name].shape == tuple(tensor.shape), name
+            assert specs[name].dtype == str(tensor.dtype).removeprefix("torch."), name
+
+    def test_gather_yields_the_full_tensors(self, source_case: SourceCase) -> None:
+        names = sorted(source_case.expected)
+        got = source_case.source.gather(names)
+        for name in names:
+            assert torch.equal(got[name], source_case.expected[name]), name
+
+    def test_sender_group_contains_this_rank(self, source_case: SourceCase) -> None:
+        group = source_case.source.sender_group()
+        assert group.rank in group.ranks
+
+
+class RoundTripTests:
+    """trainer x engine x transport end to end. Provide `round_trip`: a callable that
+    runs updates and returns, per engine rank, the tensors the engine's own loader
+    produces from the trainer's last weights and the tensors the engine holds; they
+    must be equal bit for bit."""
+
+    @pytest.fixture
+    def round_trip(self) -> Callable[[], dict[str, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]]:
+        raise NotImplementedError("subclasses provide round_trip")
+
+    def test_every_engine_holds_the_expected_bytes(self, round_trip) -> None:
+        results = round_trip()
+        assert results, "no engine reported its weights"
+        for engine, (expected, held) in results.items():
+            assert held.keys() == expected.keys(), engine
+            for name, tensor in expected.items():
+                assert held[name].dtype == tensor.dtype, (engine, name)
+                assert torch.equal(
+                    held[name].contiguous().view(torch.uint8), tensor.contiguous().view(torch.uint8)
+                ), (engine, name)
