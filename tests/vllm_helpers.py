@@ -41,6 +41,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
         num_experts_per_tok=2, first_k_dense_replace=1, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
         v_head_dim=16, n_group=1, topk_group=1, tie_word_embeddings=False,
+        # vLLM reads these; transformers' DeepseekV3Config does not define them.
+        topk_method="noaux_tc", scoring_func="sigmoid",
     ),
 }
 

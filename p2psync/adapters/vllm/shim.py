@@ -58,11 +58,18 @@ def _config_dir(config_json: str) -> str:
 
 
 def engine_config(hf_config: dict[str, Any], *, tp: int, dtype: str) -> Any:
-    """A VllmConfig for `hf_config` at TP size `tp`, built without weights, tokenizer or devices."""
+    """A VllmConfig for `hf_config` at TP size `tp`, built without weights, tokenizer or devices.
+
+    Cached: building one takes seconds, and every rank of an engine needs the same one."""
+    return _engine_config(json.dumps(hf_config, sort_keys=True), tp, dtype)
+
+
+@lru_cache(maxsize=16)
+def _engine_config(config_json: str, tp: int, dtype: str) -> Any:
     import_vllm()
     from vllm.engine.arg_utils import EngineArgs
 
-    path = _config_dir(json.dumps(hf_config, sort_keys=True))
+    path = _config_dir(config_json)
     return EngineArgs(
         model=path, tensor_parallel_size=tp, dtype=dtype, skip_tokenizer_init=True,
         enforce_eager=True, load_format="dummy",
@@ -89,14 +96,28 @@ def layout_key(vllm_config: Any) -> dict[str, Any]:
     }
 
 
+class _StandInProcessGroup:
+    """Answers what model constructors ask a torch ProcessGroup (MoE blocks read `.size()`)."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
 def _stand_in(rank: int, size: int) -> Any:
     """A GroupCoordinator that answers rank and size only (its properties derive from these)."""
     from vllm.distributed.parallel_state import GroupCoordinator
 
     group = object.__new__(GroupCoordinator)
+    process_group = _StandInProcessGroup(rank, size)
     group.__dict__.update(
         unique_name=f"p2psync-stand-in:{rank}/{size}", rank=rank, ranks=list(range(size)), world_size=size,
-        rank_in_group=rank, local_rank=rank, device_group=None, cpu_group=None,
+        rank_in_group=rank, local_rank=rank, device_group=process_group, cpu_group=process_group,
         use_device_communicator=False, device_communicator=None, mq_broadcaster=None,
     )
     return group
@@ -131,8 +152,15 @@ def build_model(vllm_config: Any, rank: int, device: str) -> torch.nn.Module:
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    with rank_state(vllm_config, rank), set_default_torch_dtype(vllm_config.model_config.dtype), torch.device(device):
-        return initialize_model(vllm_config=vllm_config)
+    # Attention layers register themselves by name in the config's forward context, which
+    # refuses a second model (another rank) built from the same config: give each its own.
+    compilation = vllm_config.compilation_config
+    shared, compilation.static_forward_context = compilation.static_forward_context, {}
+    try:
+        with rank_state(vllm_config, rank), set_default_torch_dtype(vllm_config.model_config.dtype), torch.device(device):
+            return initialize_model(vllm_config=vllm_config)
+    finally:
+        compilation.static_forward_context = shared
 
 
 def load_weights(model: torch.nn.Module, vllm_config: Any, rank: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

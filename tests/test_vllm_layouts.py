@@ -1,0 +1,114 @@
+"""vLLM layouts: the bytes of every rank equal vLLM's own `load_weights` on that rank."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM (p2psync[vllm], vllm==0.33.0) is not installed; run `tox -e vllm`")
+pytest.importorskip("transformers", reason="transformers is not installed")
+
+from collections.abc import Mapping  # noqa: E402
+from functools import lru_cache  # noqa: E402
+
+import torch  # noqa: E402
+from vllm_helpers import hf_config_dict, hf_tensors  # noqa: E402
+
+from p2psync.adapters.vllm import shim  # noqa: E402
+from p2psync.adapters.vllm.layouts import CopyMapLayout, ReplicaLayout, VllmLayout  # noqa: E402
+from p2psync.core.types import ParamSpec, TargetParam, TargetTable  # noqa: E402
+
+CASES = [(kind, tp) for kind in ("qwen2", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3") for tp in (1, 2, 4)]
+
+
+@lru_cache(maxsize=None)
+def checkpoint(kind: str) -> dict[str, torch.Tensor]:
+    return hf_tensors(kind, seed=0)
+
+
+def engine_rank(kind: str, tp: int, rank: int, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], TargetTable]:
+    """What vLLM itself holds on `rank` after loading `tensors` into zeroed parameters, and that rank's table."""
+    config = shim.engine_config(hf_config_dict(kind), tp=tp, dtype="bfloat16")
+    model = shim.build_model(config, rank, "cpu")
+    for p in model.parameters():
+        p.data.zero_()
+    shim.load_weights(model, config, rank, tensors.items())
+    params = {name: p.data for name, p in model.named_parameters()}
+    table = TargetTable(
+        engine_id="engine", rank=rank, world_size=tp, engine="vllm", layout_key=shim.layout_key(config),
+        transport="none", transport_info={}, control_url="",
+        params=tuple(
+            TargetParam(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.data_ptr(), t.numel() * t.element_size())
+            for name, t in params.items()
+        ),
+    )
+    return params, table
+
+
+def specs(tensors: Mapping[str, torch.Tensor]) -> dict[str, ParamSpec]:
+    return {name: ParamSpec(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in tensors.items()}
+
+
+def produce(layout: VllmLayout, tensors: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every group filled into a garbage buffer, its regions written over zeroed parameters:
+    a region too many shows as garbage, a region missing as zeros."""
+    held = {name: torch.zeros(t.numel() * t.element_size(), dtype=torch.uint8) for name, t in like.items()}
+    for group in layout.groups():
+        out = torch.randint(0, 256, (group.nbytes,), dtype=torch.uint8)
+        for r in layout.fill(group, {name: tensors[name] for name in group.inputs}, out):
+            held[r.param][r.param_offset : r.param_offset + r.nbytes] = out[r.buffer_offset : r.buffer_offset + r.nbytes]
+    return held
+
+
+def assert_same_bytes(held: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> None:
+    assert held.keys() == expected.keys()
+    for name, t in expected.items():
+        assert torch.equal(held[name], t.contiguous().view(-1).view(torch.uint8)), name
+
+
+@pytest.mark.parametrize(("kind", "tp"), CASES, ids=[f"{k}-tp{tp}" for k, tp in CASES])
+def test_layout_bytes_equal_vllm_load_on_every_rank(kind, tp):
+    tensors = checkpoint(kind)
+    for rank in range(tp):
+        expected, table = engine_rank(kind, tp, rank, tensors)
+        assert all(t.count_nonzero() > 0 for t in expected.values()), "vLLM left a parameter unloaded"
+        for cls in (CopyMapLayout, ReplicaLayout):
+            layout = cls(table, specs(tensors))
+            assert_same_bytes(produce(layout, tensors, expected), expected)
+
+
+def test_copy_map_replays_blocks_without_the_model_and_pads_with_the_loaders_zeros():
+    tensors = checkpoint("qwen2")
+    expected, table = engine_rank("qwen2", 4, 3, tensors)
+    layout = CopyMapLayout(table, specs(tensors))
+    assert layout.model is None
+    embed = next(p for plan in layout.plans for p in plan.params if p.param.name == "model.embed_tokens.weight")
+    assert [b.value for b in embed.blocks if b.source is None] == [0.0]  # vocab padding: vLLM zeroes it
+    qkv = next(p for plan in layout.plans for p in plan.params if p.param.name.endswith("0.self_attn.qkv_proj.weight"))
+    # tp 4 > 1 KV head: the one KV head is replicated, so rank 3 reads the whole of k and v.
+    assert {b.source.rsplit(".", 2)[-2] for b in qkv.blocks} == {"q_proj", "k_proj", "v_proj"}
+
+
+def test_bytes_that_are_not_a_pure_copy_fall_back_to_the_replica_per_parameter(monkeypatch):
+    from vllm.model_executor.models import utils
+
+    def scaled(param, loaded_weight):  # a loader that computes: not reproducible by copies
+        param.data.copy_(loaded_weight * 2 + 1)
+
+    monkeypatch.setattr(utils, "default_weight_loader", scaled)  # what AutoWeightsLoader gives plain parameters
+    tensors = checkpoint("qwen3")
+    expected, table = engine_rank("qwen3", 2, 1, tensors)
+    layout = CopyMapLayout(table, specs(tensors))
+    fallback = {p.param.name for plan in layout.plans for p in plan.params if p.blocks is None}
+    assert fallback and all(name.endswith("norm.weight") for name in fallback)
+    assert layout.model is not None
+    assert_same_bytes(produce(layout, tensors, expected), expected)
+
+
+def test_a_table_that_disagrees_with_the_rebuilt_model_is_rejected():
+    from p2psync.core.errors import ConnectError
+
+    tensors = checkpoint("qwen3")
+    _, table = engine_rank("qwen3", 2, 0, tensors)
+    wrong = TargetTable(**{**table.__dict__, "params": table.params[1:]})
+    with pytest.raises(ConnectError, match="engine 'engine' rank 0 parameter .* is not in its table"):
+        CopyMapLayout(wrong, specs(tensors))
