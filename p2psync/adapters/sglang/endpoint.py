@@ -1,0 +1,56 @@
+"""Engine side of sglang: expose one rank's parameters to trainers from inside its process."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ...core.endpoint import EngineEndpoint, EngineHooks
+from ...core.plugins import registry
+from ...core.transport import Transport
+from .key import layout_key
+
+if TYPE_CHECKING:
+    import torch
+
+    from ...core.rendezvous import Rendezvous
+
+
+def serve(
+    model: torch.nn.Module,
+    server_args: Any,
+    model_config: Any,
+    *,
+    engine_id: str,
+    rank: int,
+    rendezvous: Rendezvous,
+    transport: Transport | str,
+    hooks: EngineHooks | None = None,
+    host: str = "127.0.0.1",
+    token: str = "",
+    transport_options: Mapping[str, Any] | None = None,
+) -> EngineEndpoint:
+    """Register the rank's parameters (sglang names, live memory), publish its table, serve control calls.
+
+    `server_args` and `model_config` are sglang's ServerArgs and ModelConfig of the
+    engine; they make the layout key, from which a trainer rebuilds this rank.
+    """
+    import sglang
+
+    if isinstance(transport, str):
+        transport = registry().transport(transport)(options=transport_options)
+    endpoint = EngineEndpoint(
+        engine="sglang",
+        engine_id=engine_id,
+        rank=rank,
+        world_size=int(server_args.tp_size),
+        params={name: p.data for name, p in model.named_parameters()},
+        layout_key=layout_key(server_args, model_config, sglang.__version__),
+        transport=transport,
+        rendezvous=rendezvous,
+        hooks=hooks,
+        host=host,
+        token=token,
+    )
+    endpoint.start()
+    return endpoint

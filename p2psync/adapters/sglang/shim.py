@@ -1,0 +1,182 @@
+"""Every reach into sglang internals, in one place, pinned to one sglang version.
+
+sglang builds a rank's model only inside a launched server. To build the model of
+TP rank r on a trainer (on the meta device, no storage) or in a test process (on
+CPU), this module publishes a runtime context for that rank, builds sglang's
+parallel groups from placeholder group objects that answer ranks and sizes but
+never communicate, and calls sglang's own model initializer. All imports of
+sglang are inside functions, so importing p2psync never imports sglang.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+#: The sglang release whose internals this shim was written and tested against.
+SGLANG_VERSION = "0.5.23"
+
+
+def require_sglang() -> str:
+    """Import sglang, check its version, apply the CPU fix; return the version."""
+    import sglang
+
+    if sglang.__version__ != SGLANG_VERSION:
+        raise RuntimeError(
+            f"p2psync's sglang adapter supports sglang {SGLANG_VERSION} only, but sglang "
+            f"{sglang.__version__} is installed; install sglang=={SGLANG_VERSION}"
+        )
+    _fix_cpu()
+    return sglang.__version__
+
+
+def _fix_cpu() -> None:
+    """On a machine without CUDA, RotaryEmbedding must take its CPU path: otherwise
+    it imports `vllm._custom_ops`. sglang decides this once, at import."""
+    import torch
+
+    if not torch.cuda.is_available():
+        import sglang.srt.layers.rotary_embedding.base as rotary
+
+        rotary._is_cpu = True
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What decides a rank model: the HF config and the server arguments that shape it."""
+
+    hf_config: dict[str, Any]
+    tp_size: int
+    ep_size: int
+    dtype: str
+    rank: int
+    quantization: str | None = None
+    moe_a2a_backend: str = "none"
+    moe_runner_backend: str = "auto"
+
+
+class _Group:
+    """A stand-in for sglang's GroupCoordinator: ranks and sizes of one group, no communication."""
+
+    def __init__(self, group_ranks: Sequence[Sequence[int]], rank: int, name: str | None) -> None:
+        self.ranks = next(list(g) for g in group_ranks if rank in g)
+        self.rank = rank
+        self.local_rank = rank
+        self.world_size = len(self.ranks)
+        self.rank_in_group = self.ranks.index(rank)
+        self.unique_name = name or "group"
+        self.device_group = None
+        self.cpu_group = None
+        self.pynccl_comm = None
+
+    first_rank = property(lambda self: self.ranks[0])
+    last_rank = property(lambda self: self.ranks[-1])
+    is_first_rank = property(lambda self: self.rank == self.ranks[0])
+    is_last_rank = property(lambda self: self.rank == self.ranks[-1])
+
+    def destroy(self) -> None:
+        return None
+
+
+@dataclass
+class RankModel:
+    """sglang's model of one rank and the runtime context its loaders read."""
+
+    model: torch.nn.Module
+    context: Any
+    server_args: Any
+    model_config: Any
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Make this rank's parallel context the process's while sglang code runs."""
+        from sglang.srt.runtime_context import use_context
+
+        with use_context(self.context):
+            yield
+
+    def load(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """sglang's own `load_weights` for these HF tensors."""
+        with self.active():
+            self.model.load_weights(list(items))
+
+
+def server_args(model_path: str, spec: RankSpec, device: str = "cpu") -> Any:
+    """ServerArgs of a rank as the trainer rebuilds it: only what shapes the weights."""
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs(
+        model_path=model_path,
+        tp_size=spec.tp_size,
+        ep_size=spec.ep_size,
+        dtype=spec.dtype,
+        quantization=spec.quantization,
+        moe_a2a_backend=spec.moe_a2a_backend,
+        moe_runner_backend=spec.moe_runner_backend,
+        device=device,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+    )
+
+
+def build_rank_model(spec: RankSpec, device: str) -> RankModel:
+    """Build sglang's model of `spec.rank` on `device` ("meta": no storage; "cpu": real memory)."""
+    import torch
+    import torch.distributed as dist
+
+    require_sglang()
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.model_loader.loader import _initialize_model
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+    from sglang.srt.runtime_context import SpawnRanks, create_context
+
+    if not dist.is_initialized():  # sglang asserts a default group; a private world of one does
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    with tempfile.TemporaryDirectory(prefix="p2psync-sglang-") as model_path:
+        (Path(model_path) / "config.json").write_text(json.dumps(spec.hf_config))
+        args = server_args(model_path, spec)
+        context = create_context(args, role="scheduler", ranks=SpawnRanks(world_rank=spec.rank))
+        rank_model = RankModel(None, context, args, None)  # type: ignore[arg-type]
+        with rank_model.active():
+            _init_groups(parallel_state, spec)
+            model_config = ModelConfig.from_server_args(args)
+            with set_default_torch_dtype(model_config.dtype), torch.device(device):
+                model = _initialize_model(model_config, LoadConfig(), None)
+    rank_model.model, rank_model.model_config = model.eval(), model_config
+    return rank_model
+
+
+_GROUP_GLOBALS = (
+    "_TP", "_PP", "_DCP", "_ATTN_TP", "_ATTN_CP", "_SHARED_EXPERTS_TP",
+    "_MOE_DP", "_MOE_EP", "_MOE_TP", "_SELF_PP", "_PDMUX_PREFILL_TP_GROUP",
+)
+
+
+def _init_groups(parallel_state: Any, spec: RankSpec) -> None:
+    """Run sglang's own group layout (which rank is in which TP/EP group) with stand-in groups."""
+    from sglang.srt.runtime_context import get_parallel
+
+    world = list(range(spec.tp_size))
+    get_parallel().override_permanently(world_group=_Group([world], spec.rank, "world"))
+    for name in _GROUP_GLOBALS:  # sglang refuses to build groups twice in one process
+        setattr(parallel_state, name, None)
+    original = parallel_state.init_model_parallel_group
+    parallel_state.init_model_parallel_group = lambda group_ranks, *a, group_name=None, **k: _Group(
+        group_ranks, spec.rank, group_name
+    )
+    try:
+        parallel_state.initialize_model_parallel(backend="gloo", recovered_rank=True)
+    finally:
+        parallel_state.init_model_parallel_group = original
+        for name in _GROUP_GLOBALS:
+            setattr(parallel_state, name, None)

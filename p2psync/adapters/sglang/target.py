@@ -1,0 +1,40 @@
+"""Trainer side of sglang engines: layouts of each rank and control of each engine."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+from ...core.endpoint import EndpointControl
+from ...core.engine import EngineControl, EngineTarget
+from ...core.errors import ConnectError, where
+from ...core.layout import Layout
+from ...core.types import ParamSpec, TargetTable
+
+
+class SglangEngineTarget(EngineTarget):
+    """sglang engines whose ranks run `p2psync.adapters.sglang.serve`.
+
+    Option `layout`, else the P2PSYNC_SGLANG_LAYOUT variable (a Session constructs
+    targets without options): "copy_map" (default) or "replica" (see SglangLayout).
+    """
+
+    name = "sglang"
+    requires = ("sglang",)
+
+    @property
+    def mode(self) -> str:
+        return str(self.options.get("layout") or os.environ.get("P2PSYNC_SGLANG_LAYOUT") or "copy_map")
+
+    def layout(self, table: TargetTable, sources: Mapping[str, ParamSpec]) -> Layout:
+        from .layout import SglangLayout
+        from .shim import require_sglang
+
+        try:
+            version = require_sglang()
+        except (ImportError, RuntimeError) as exc:
+            raise ConnectError(f"{where(table.engine_id, table.rank)}: this trainer cannot build sglang layouts: {exc}") from exc
+        return SglangLayout(table, sources, mode=self.mode, version=version)
+
+    def control(self, tables: Sequence[TargetTable], *, timeout: float, token: str = "") -> EngineControl:
+        return EndpointControl(tables, timeout=timeout, token=token)
