@@ -1,0 +1,1 @@
+"""NIXL transport over its UCX backend (`pip install p2psync[nixl]`)."""
