@@ -16,7 +16,7 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/pip install -q --disable-pip-version-check -c constraints/cpu.txt -e '.[mooncake,demo,test]' tox 2>&1 \
+.venv/bin/pip install -q --disable-pip-version-check -c constraints/cpu.txt -e '.[mooncake,nixl,demo,test]' tox 2>&1 \
   | grep -v "^WARNING: Location" || true
-.venv/bin/python -c "import p2psync, mooncake.engine, transformers"
+.venv/bin/python -c "import p2psync, mooncake.engine, nixl_cu12, transformers"
 echo "setup done: .venv"

@@ -17,7 +17,7 @@ from p2psync.core.plugins import registry
 from p2psync.core.types import TargetParam, TargetTable
 
 #: Transport name -> module that must import for it to run here.
-TRANSPORTS = {"mooncake": "mooncake.engine"}
+TRANSPORTS = {"mooncake": "mooncake.engine", "nixl": "nixl_cu12"}
 
 
 def need(module: str, what: str) -> None:
