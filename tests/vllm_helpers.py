@@ -67,7 +67,8 @@ def hf_model(kind: str, seed: int) -> Any:
 
 
 def hf_tensors(kind: str, seed: int) -> dict[str, torch.Tensor]:
-    """The checkpoint tensors (HF names, as saved by save_pretrained) of a random model."""
+    """Checkpoint tensors of `kind` (names and shapes as save_pretrained writes them), every
+    element random: a zero-initialized bias would hide a region that was never written."""
     from safetensors.torch import load_file
 
     model = hf_model(kind, seed)
@@ -76,7 +77,8 @@ def hf_tensors(kind: str, seed: int) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for path in sorted(Path(tmp).glob("*.safetensors")):
             out.update(load_file(str(path)))
-    return out
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(t.shape, generator=generator, dtype=t.dtype) for name, t in out.items()}
 
 
 def hf_config_dict(kind: str) -> dict[str, Any]:
