@@ -1,4 +1,4 @@
-"""The `p2psync` command: `plugins`, `demo`."""
+"""The `p2psync` command: `plugins`, `demo`, `bench`."""
 
 from __future__ import annotations
 
@@ -49,6 +49,20 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import json
+
+    from .bench import BenchOptions, format_report, run_bench
+
+    opts = BenchOptions(
+        size=args.size, trainers=args.trainers, engines=args.engines, updates=args.updates, warmup=args.warmup,
+        transport=args.transport, raw_bytes=args.raw_mib << 20,
+    )
+    result = run_bench(opts)
+    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    return 0 if all(way["verified"] for way in result["ways"].values()) else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="p2psync", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -62,6 +76,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--updates", type=int, default=3)
     demo.add_argument("--transport", default="mooncake")
     demo.set_defaults(func=_demo)
+    from .demo import CONFIGS
+
+    bench = sub.add_parser("bench", help="p2psync vs the torch.distributed broadcast path on this machine, timed")
+    bench.add_argument("--size", default="100m", choices=sorted(CONFIGS), help="model size (default 100m)")
+    bench.add_argument("--trainers", type=int, default=2)
+    bench.add_argument("--engines", type=int, default=2)
+    bench.add_argument("--updates", type=int, default=3, help="timed updates per way (the median is reported)")
+    bench.add_argument("--warmup", type=int, default=1, help="untimed updates per way before them")
+    bench.add_argument("--transport", default="mooncake")
+    bench.add_argument("--raw-mib", type=int, default=512, help="size of the memcpy and raw transport measurements")
+    bench.add_argument("--json", action="store_true", help="print the result as JSON")
+    bench.set_defaults(func=_bench)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -15,7 +15,13 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from .core.endpoint import EngineEndpoint
+    from .core.rendezvous import Rendezvous
 
 #: Model sizes: a ~100M-parameter Qwen3-style model for the demo, a tiny one for tests.
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -79,8 +85,9 @@ def greedy(model: Any, tokens: int = 8) -> list[int]:
     return out[0, len(PROMPT):].tolist()
 
 
-def engine_main(index: int, opts: DemoOptions, port: int, stop: Any) -> None:
-    """One torch engine: a model in its own process, served until `stop` is set."""
+def start_engine(index: int, opts: DemoOptions, port: int) -> tuple[Any, EngineEndpoint]:
+    """Build engine `index`'s model in this process and serve it (with a `generate` route);
+    return the model and its endpoint."""
     import torch
 
     from .adapters.torch import serve
@@ -94,24 +101,29 @@ def engine_main(index: int, opts: DemoOptions, port: int, stop: Any) -> None:
     model = build_model(opts.size, seed=1000 + index)
     rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id=opts.job_id)
     hooks = EngineHooks(routes={"generate": lambda body: {"tokens": greedy(model, int(body.get("tokens", 8)))}})
-    endpoint = serve(model, engine_id=engine_id, rendezvous=rendezvous, transport=opts.transport, hooks=hooks)
+    return model, serve(model, engine_id=engine_id, rendezvous=rendezvous, transport=opts.transport, hooks=hooks)
+
+
+def engine_main(index: int, opts: DemoOptions, port: int, stop: Any) -> None:
+    """One torch engine: a model in its own process, served until `stop` is set."""
+    import torch
+
+    model, endpoint = start_engine(index, opts, port)
+    engine_id = endpoint.engine_id
     stop.wait()
     if opts.dump_dir:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, Path(opts.dump_dir) / f"{engine_id}.pt")
     endpoint.close()
 
 
-def trainer_main(rank: int, opts: DemoOptions, port: int, results: Any) -> None:
-    """One FSDP2 trainer rank: train a step, sync, verify, repeat."""
+def start_trainer(rank: int, opts: DemoOptions, port: int) -> tuple[Rendezvous, Any]:
+    """Join the trainer world (gloo) as `rank`; return the rendezvous and the FSDP2-sharded model."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from .adapters.fsdp2 import FSDP2Source
-    from .core.control import post
     from .core.logs import configure
     from .core.rendezvous import Rendezvous
-    from .core.session import Session
 
     configure(f"trainer {rank}")
     torch.set_num_threads(1)
@@ -124,6 +136,19 @@ def trainer_main(rank: int, opts: DemoOptions, port: int, results: Any) -> None:
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
+    return rendezvous, model
+
+
+def trainer_main(rank: int, opts: DemoOptions, port: int, results: Any) -> None:
+    """One FSDP2 trainer rank: train a step, sync, verify, repeat."""
+    import torch
+    import torch.distributed as dist
+
+    from .adapters.fsdp2 import FSDP2Source
+    from .core.control import post
+    from .core.session import Session
+
+    rendezvous, model = start_trainer(rank, opts, port)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     engines = [f"engine-{i}" for i in range(opts.engines)]
     session = Session(
@@ -170,6 +195,15 @@ def run(opts: DemoOptions) -> dict[str, Any]:
 
     Raises RuntimeError if any process failed.
     """
+    return launch(opts, engine_main, trainer_main)
+
+
+def launch(opts: DemoOptions, engine: Callable[..., None], trainer: Callable[..., None]) -> Any:
+    """Host the rendezvous, start `engine(index, opts, port, stop)` and `trainer(rank, opts,
+    port, results)` processes, return what trainer rank 0 puts in `results`, stop everything.
+
+    Raises RuntimeError if any process failed.
+    """
     from .core.rendezvous import Rendezvous
 
     ctx = mp.get_context("spawn")
@@ -177,8 +211,8 @@ def run(opts: DemoOptions) -> dict[str, Any]:
     port = server.port
     stop = ctx.Event()
     results = ctx.Queue()
-    engines = [ctx.Process(target=engine_main, args=(i, opts, port, stop), name=f"engine-{i}") for i in range(opts.engines)]
-    trainers = [ctx.Process(target=trainer_main, args=(r, opts, port, results), name=f"trainer-{r}") for r in range(opts.trainers)]
+    engines = [ctx.Process(target=engine, args=(i, opts, port, stop), name=f"engine-{i}") for i in range(opts.engines)]
+    trainers = [ctx.Process(target=trainer, args=(r, opts, port, results), name=f"trainer-{r}") for r in range(opts.trainers)]
     for p in engines + trainers:
         p.start()
     try:
@@ -191,11 +225,11 @@ def run(opts: DemoOptions) -> dict[str, Any]:
                 p.kill()
     failed = [f"{p.name} exited with {p.exitcode}" for p in engines + trainers if p.exitcode != 0]
     if failed:
-        raise RuntimeError("demo processes failed: " + ", ".join(failed))
+        raise RuntimeError("processes failed: " + ", ".join(failed))
     return outcome
 
 
-def _wait_for_result(results: Any, trainers: list[Any]) -> dict[str, Any]:
+def _wait_for_result(results: Any, trainers: list[Any]) -> Any:
     import queue
 
     while True:

@@ -1,0 +1,113 @@
+"""The broadcast path of miles, slime and verl: trainer rank 0 gathers each bucket of full
+tensors and broadcasts every tensor with torch.distributed to every engine rank.
+
+The broadcast group is a standalone gloo group of trainer rank 0 (group rank 0) and
+engine `i` (group rank 1 + i), built on the job's rendezvous store; the trainer's
+default process group is left alone. Engines learn the order of tensors from the
+rendezvous, receive each into a fresh tensor and copy it into their parameter
+(what a torch engine's loader does with a full tensor).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from ..core.buckets import make_buckets
+from ..core.layout import ParamGroup
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..core.rendezvous import Rendezvous
+    from ..core.source import TrainerSource
+
+ORDER_KEY = "bench/broadcast/order"
+
+
+def buckets_of(source: TrainerSource, bucket_bytes: int) -> list[list[str]]:
+    """The trainer's HF tensors in gather order, packed up to `bucket_bytes`."""
+    specs = source.param_specs()
+    return make_buckets(specs, [ParamGroup((s.name,), (s.name,), s.nbytes) for s in specs], bucket_bytes)
+
+
+def publish_order(rendezvous: Rendezvous, buckets: Sequence[Sequence[str]], rounds: int) -> None:
+    """Tell the engines which tensors come in which bucket, and how many updates."""
+    rendezvous.set(ORDER_KEY, json.dumps({"buckets": buckets, "rounds": rounds}))
+
+
+def group(rendezvous: Rendezvous, rank: int, engines: int, timeout: float) -> Any:
+    """The gloo broadcast group: trainer rank 0 joins as 0, engine i as 1 + i. Blocks until all joined."""
+    import torch.distributed as dist
+
+    store = dist.PrefixStore("bench/broadcast/gloo", rendezvous.store)
+    return dist.ProcessGroupGloo(store, rank, 1 + engines, timedelta(seconds=timeout))
+
+
+def _broadcast(pg: Any, tensors: Sequence[torch.Tensor]) -> None:
+    """Broadcast every tensor from group rank 0, all in flight at once; wait for all."""
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    for work in [pg.broadcast([t], opts) for t in tensors]:
+        work.wait()
+
+
+def send_update(
+    source: TrainerSource, buckets: Sequence[Sequence[str]], pg: Any | None, progress: Callable[[], None] | None
+) -> None:
+    """One update from the trainer side. Every trainer rank gathers (a collective);
+    the rank holding `pg` broadcasts. Returns once the engines hold every tensor."""
+    for names in buckets:
+        tensors = source.gather(names)
+        if pg is not None:
+            _broadcast(pg, [tensors[n].contiguous() for n in names])
+        del tensors
+        if progress is not None:
+            progress()
+    if pg is not None:
+        pg.barrier().wait()
+
+
+def receive_update(pg: Any, params: Mapping[str, torch.Tensor], buckets: Sequence[Sequence[str]]) -> None:
+    """One update on an engine: receive each bucket and copy every tensor into its parameter."""
+    import torch
+
+    for names in buckets:
+        received = [torch.empty_like(params[n]) for n in names]
+        _broadcast(pg, received)
+        for name, tensor in zip(names, received):
+            params[name].copy_(tensor)
+    pg.barrier().wait()
+
+
+def engine_loop(
+    rendezvous: Rendezvous, index: int, engines: int, params: Mapping[str, torch.Tensor], stop: Any, timeout: float
+) -> None:
+    """Engine `index` of `engines`: wait for the trainer's order (or `stop`), zero the
+    parameters so that only a real delivery can restore them, then receive every update."""
+    while not rendezvous.store.check([ORDER_KEY]):
+        if stop.wait(0.2):
+            return
+    order = json.loads(rendezvous.get(ORDER_KEY))
+    for tensor in params.values():
+        tensor.zero_()
+    pg = group(rendezvous, 1 + index, engines, timeout)
+    for _ in range(order["rounds"]):
+        receive_update(pg, params, order["buckets"])
+
+
+def timed_update(
+    source: TrainerSource, buckets: Sequence[Sequence[str]], pg: Any | None, progress: Callable[[], None] | None
+) -> float:
+    """Seconds of one broadcast update, from after a trainer barrier until the engines hold it."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.monotonic()
+    send_update(source, buckets, pg, progress)
+    return time.monotonic() - start

@@ -1,0 +1,86 @@
+"""Bench results: one `Way` per sync path, and the text table of a whole run."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Way:
+    """One sync path, measured: seconds of each timed update, bytes per update sent by each
+    trainer rank and received by each engine rank, and whether the engines held the
+    trainer's bytes afterwards (`mismatches` names the parameters that differed)."""
+
+    seconds_all: list[float]
+    bytes_per_sender: dict[str, int]
+    bytes_per_engine_rank: dict[str, int]
+    mismatches: list[str] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(self.seconds_all)
+
+    @property
+    def gbps(self) -> float:
+        """Bytes received by all engine ranks per second of update."""
+        return sum(self.bytes_per_engine_rank.values()) / self.seconds / 1e9
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "seconds": self.seconds,
+            "seconds_all": self.seconds_all,
+            "bytes_per_sender": self.bytes_per_sender,
+            "bytes_per_engine_rank": self.bytes_per_engine_rank,
+            "gbps": self.gbps,
+            "verified": not self.mismatches,
+            "mismatches": self.mismatches[:10],
+        }
+
+
+def summary(setup: dict[str, Any], ways: dict[str, Way], limits: dict[str, Any]) -> dict[str, Any]:
+    """The JSON result of a run."""
+    p2p, broadcast = ways["p2p"], ways["broadcast"]
+    raw = limits["raw_transport"]
+    return {
+        **setup,
+        "ways": {name: way.to_json() for name, way in ways.items()},
+        "ratio_broadcast_over_p2p": broadcast.seconds / p2p.seconds,
+        "limits": limits,
+        "p2p_over_raw_transport": p2p.gbps / raw["gbps"] if raw else None,
+    }
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """The run as a table, one row per way, then the machine's limits."""
+    model = result["model"]
+    lines = [
+        f"model {model['size']}: {model['parameters']:,} parameters, {_bytes(model['bytes'])} ({model['dtype']}); "
+        f"{result['trainers']} FSDP2 trainer ranks -> {result['engines']} torch engines (1 rank each); "
+        f"transport {result['transport']['name']} ({result['transport']['protocol']}); "
+        f"median of {result['updates']} updates after {result['warmup']} warm-up",
+        f"  {'way':<10} {'s/update':>9} {'GB/s':>6}  {'sent per sender':<36} {'received per engine rank':<36} verified",
+    ]
+    for name, way in result["ways"].items():
+        sent = ", ".join(f"{k} {_bytes(v)}" for k, v in way["bytes_per_sender"].items())
+        received = ", ".join(f"{k} {_bytes(v)}" for k, v in way["bytes_per_engine_rank"].items())
+        lines.append(
+            f"  {name:<10} {way['seconds']:>9.3f} {way['gbps']:>6.2f}  {sent:<36} {received:<36} "
+            + ("yes" if way["verified"] else f"NO: {way['mismatches'][:3]}")
+        )
+    lines.append(f"  broadcast / p2p: {result['ratio_broadcast_over_p2p']:.2f}x")
+    memcpy, raw = result["limits"]["memcpy"], result["limits"]["raw_transport"]
+    limit = f"  machine: memcpy {memcpy['gbps']:.2f} GB/s ({memcpy['threads']} threads, {_bytes(memcpy['bytes'])})"
+    if raw:
+        limit += (
+            f"; raw {raw['transport']} {raw['protocol']} loopback {raw['gbps']:.2f} GB/s "
+            f"({_bytes(raw['bytes'])} in {_bytes(raw['chunk_bytes'])} writes); "
+            f"p2p at {result['p2p_over_raw_transport']:.0%} of raw"
+        )
+    lines.append(limit)
+    return "\n".join(lines)
