@@ -144,6 +144,13 @@ def rank_state(vllm_config: Any, rank: int) -> Iterator[None]:
             setattr(parallel_state, name, group)
 
 
+def tp_rank() -> int:
+    """This worker's TP rank, from vLLM's live parallel state."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
 def build_model(vllm_config: Any, rank: int, device: str) -> torch.nn.Module:
     """vLLM's model of TP rank `rank`, on `device` ("meta" for no storage), before any load."""
     import torch
