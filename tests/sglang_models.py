@@ -74,9 +74,36 @@ def specs(tensors: dict[str, torch.Tensor]) -> dict[str, ParamSpec]:
 
 
 def table_of(model: torch.nn.Module, key: dict[str, Any], rank: int, engine_id: str = "engine-0") -> TargetTable:
-    """The table an endpoint would publish for `model` (no transport, addresses are fake)."""
+    """The table an endpoint would publish for `model` (no transport; addresses are not used)."""
     params = tuple(
         TargetParam(n, tuple(p.shape), str(p.dtype).removeprefix("torch."), 0, p.numel() * p.element_size())
         for n, p in model.named_parameters()
     )
     return TargetTable(engine_id, rank, key["tp_size"], "sglang", key, "none", {}, "", params)
+
+
+def sglang_rank(
+    config: dict[str, Any], tp: int, ep: int, rank: int, tensors: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], TargetTable]:
+    """What sglang itself holds on `rank` after loading `tensors` into parameters prefilled
+    with 0xA5 bytes, and the table that rank publishes. `config` is the HF config as a dict."""
+    from p2psync.adapters.sglang.key import layout_key
+    from p2psync.adapters.sglang.shim import RankSpec, build_rank_model, require_sglang
+
+    rank_model = build_rank_model(RankSpec(config, tp, ep, "bfloat16", rank), "cpu")
+    for p in rank_model.model.parameters():
+        p.data.view(torch.uint8).fill_(0xA5)
+    rank_model.load(list(tensors.items()))
+    key = layout_key(rank_model.server_args, rank_model.model_config, require_sglang())
+    held = {name: p.data for name, p in rank_model.model.named_parameters()}
+    return held, table_of(rank_model.model, key, rank)
+
+
+def produce(layout: Any, tensors: dict[str, torch.Tensor], table: TargetTable) -> dict[str, torch.Tensor]:
+    """Each parameter's bytes after writing every region `layout` produces into 0xA5-filled memory."""
+    held = {p.name: torch.full((p.nbytes,), 0xA5, dtype=torch.uint8) for p in table.params}
+    for group in layout.groups():
+        out = torch.empty(group.nbytes, dtype=torch.uint8)
+        for r in layout.fill(group, {n: tensors[n] for n in group.inputs}, out):
+            held[r.param][r.param_offset : r.param_offset + r.nbytes] = out[r.buffer_offset : r.buffer_offset + r.nbytes]
+    return held

@@ -27,7 +27,7 @@ def serve(
     transport: Transport | str,
     hooks: EngineHooks | None = None,
     host: str = "127.0.0.1",
-    token: str = "",
+    token: str | None = None,
     transport_options: Mapping[str, Any] | None = None,
 ) -> EngineEndpoint:
     """Register the rank's parameters (sglang names, live memory), publish its table, serve control calls.

@@ -1,0 +1,105 @@
+"""sglang layouts: every rank's bytes equal sglang's own `load_weights` on that rank, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("sglang", reason="sglang (p2psync[sglang], sglang==0.5.23) is not installed; run `tox -e sglang`")
+pytest.importorskip("transformers", reason="transformers is not installed")
+
+import dataclasses  # noqa: E402
+from functools import lru_cache  # noqa: E402
+
+import torch  # noqa: E402
+from sglang_models import config_dict, hf_config, hf_tensors, produce, sglang_rank, specs  # noqa: E402
+
+from p2psync.adapters.sglang.layout import SglangLayout  # noqa: E402
+from p2psync.adapters.sglang.shim import require_sglang  # noqa: E402
+from p2psync.core.errors import ConnectError  # noqa: E402
+
+CASES = [
+    *[(kind, tp, 1) for kind in ("qwen2", "qwen3", "deepseek_v3") for tp in (1, 2, 4)],
+    ("qwen3_moe", 1, 1), ("qwen3_moe", 2, 2), ("qwen3_moe", 4, 2), ("qwen3_moe", 4, 4),
+]
+#: The replica runs sglang's loader per group on every update; one case per architecture covers it.
+REPLICA_CASES = [("qwen2", 2, 1), ("qwen3_moe", 2, 2), ("deepseek_v3", 2, 1)]
+
+
+@lru_cache(maxsize=None)
+def checkpoint(kind: str) -> dict[str, torch.Tensor]:
+    return hf_tensors(hf_config(kind))
+
+
+def check_every_rank(kind: str, tp: int, ep: int, mode: str) -> None:
+    tensors = checkpoint(kind)
+    for rank in range(tp):
+        expected, table = sglang_rank(config_dict(hf_config(kind)), tp, ep, rank, tensors)
+        layout = SglangLayout(table, specs(tensors), mode=mode, version=require_sglang())
+        if mode == "copy_map":
+            assert layout.loader_params == [], "these models' loaders only copy and pad"
+        held = produce(layout, tensors, table)
+        for name, tensor in expected.items():
+            assert torch.equal(held[name], tensor.contiguous().view(-1).view(torch.uint8)), (kind, tp, ep, rank, name)
+
+
+@pytest.mark.parametrize("kind,tp,ep", CASES, ids=[f"{k}-tp{t}-ep{e}" for k, t, e in CASES])
+def test_copy_map_equals_sglang_load_on_every_rank(kind, tp, ep):
+    check_every_rank(kind, tp, ep, "copy_map")
+
+
+@pytest.mark.parametrize("kind,tp,ep", REPLICA_CASES, ids=[f"{k}-tp{t}-ep{e}" for k, t, e in REPLICA_CASES])
+def test_replica_equals_sglang_load_on_every_rank(kind, tp, ep):
+    check_every_rank(kind, tp, ep, "replica")
+
+
+def test_regions_leave_vocabulary_padding_alone():
+    """Rank 1 of 2 holds 64 real vocabulary rows of 96 (160 padded to 192): its regions are the
+    bytes sglang writes, zeros in the padding included, and nothing beyond the parameter."""
+    tensors = checkpoint("qwen3")
+    _, table = sglang_rank(config_dict(hf_config("qwen3")), 2, 1, 1, tensors)
+    layout = SglangLayout(table, specs(tensors), mode="copy_map", version=require_sglang())
+    (group,) = [g for g in layout.groups() if g.outputs == ("model.embed_tokens.weight",)]
+    regions = layout.fill(group, {n: tensors[n] for n in group.inputs}, torch.empty(group.nbytes, dtype=torch.uint8))
+    param = next(p for p in table.params if p.name == "model.embed_tokens.weight")
+    assert sum(r.nbytes for r in regions) == param.nbytes
+    assert all(r.param_offset + r.nbytes <= param.nbytes for r in regions)
+
+
+def table_with(kind: str, **key_changes) -> tuple:
+    tensors = checkpoint(kind)
+    _, table = sglang_rank(config_dict(hf_config(kind)), 2, 1, 1, tensors)
+    return dataclasses.replace(table, layout_key={**table.layout_key, **key_changes}), specs(tensors)
+
+
+@pytest.mark.parametrize(
+    "change,reason",
+    [
+        ({"sglang": "0.5.22"}, "engine runs sglang 0.5.22, the trainer has sglang 0.5.23"),
+        ({"enable_eplb": True}, "enable_eplb=True: EPLB moves experts"),
+        ({"ep_num_redundant_experts": 2}, "ep_num_redundant_experts=2: redundant experts"),
+        ({"init_expert_location": "/tmp/loc.json"}, "init_expert_location='/tmp/loc.json': a non-trivial initial expert location"),
+        ({"config_sha256": "0" * 64}, "the HF config in the layout key does not match its hash"),
+    ],
+    ids=["version", "eplb", "redundant-experts", "expert-location", "config-hash"],
+)
+def test_connect_rejects_what_a_layout_cannot_reproduce(change, reason):
+    table, sources = table_with("qwen3_moe", **change)
+    with pytest.raises(ConnectError, match="engine 'engine-0' rank 1: ") as info:
+        SglangLayout(table, sources, mode="copy_map", version=require_sglang())
+    assert reason in str(info.value)
+
+
+def test_connect_rejects_a_parameter_the_rank_model_disagrees_with():
+    table, sources = table_with("qwen3")
+    params = list(table.params)
+    p = params[3]
+    params[3] = dataclasses.replace(p, shape=(p.shape[0] * 2, *p.shape[1:]), nbytes=p.nbytes * 2)
+    with pytest.raises(ConnectError, match=f"engine 'engine-0' rank 1 parameter '{p.name}': the engine has"):
+        SglangLayout(dataclasses.replace(table, params=tuple(params)), sources, mode="copy_map", version=require_sglang())
+
+
+def test_connect_rejects_a_parameter_no_trainer_tensor_feeds():
+    table, sources = table_with("qwen3")
+    del sources["model.norm.weight"]
+    with pytest.raises(ConnectError, match="parameter 'model.norm.weight': no HF tensor of the trainer is loaded into it"):
+        SglangLayout(table, sources, mode="copy_map", version=require_sglang())
