@@ -8,44 +8,14 @@ pytest.importorskip("vllm", reason="vLLM (p2psync[vllm], vllm==0.33.0) is not in
 pytest.importorskip("transformers", reason="transformers is not installed")
 
 from collections.abc import Mapping  # noqa: E402
-from functools import lru_cache  # noqa: E402
 
 import torch  # noqa: E402
-from vllm_helpers import hf_config_dict, hf_tensors  # noqa: E402
+from vllm_helpers import checkpoint, engine_rank, specs  # noqa: E402
 
-from p2psync.adapters.vllm import shim  # noqa: E402
 from p2psync.adapters.vllm.layouts import CopyMapLayout, ReplicaLayout, VllmLayout  # noqa: E402
-from p2psync.core.types import ParamSpec, TargetParam, TargetTable  # noqa: E402
+from p2psync.core.types import TargetTable  # noqa: E402
 
 CASES = [(kind, tp) for kind in ("qwen2", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3") for tp in (1, 2, 4)]
-
-
-@lru_cache(maxsize=None)
-def checkpoint(kind: str) -> dict[str, torch.Tensor]:
-    return hf_tensors(kind, seed=0)
-
-
-def engine_rank(kind: str, tp: int, rank: int, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], TargetTable]:
-    """What vLLM itself holds on `rank` after loading `tensors` into zeroed parameters, and that rank's table."""
-    config = shim.engine_config(hf_config_dict(kind), tp=tp, dtype="bfloat16")
-    model = shim.build_model(config, rank, "cpu")
-    for p in model.parameters():
-        p.data.zero_()
-    shim.load_weights(model, config, rank, tensors.items())
-    params = {name: p.data for name, p in model.named_parameters()}
-    table = TargetTable(
-        engine_id="engine", rank=rank, world_size=tp, engine="vllm", layout_key=shim.layout_key(config),
-        transport="none", transport_info={}, control_url="",
-        params=tuple(
-            TargetParam(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.data_ptr(), t.numel() * t.element_size())
-            for name, t in params.items()
-        ),
-    )
-    return params, table
-
-
-def specs(tensors: Mapping[str, torch.Tensor]) -> dict[str, ParamSpec]:
-    return {name: ParamSpec(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in tensors.items()}
 
 
 def produce(layout: VllmLayout, tensors: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Mapping
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from p2psync.adapters.vllm import shim
+from p2psync.core.types import ParamSpec, TargetParam, TargetTable
 
 #: Tiny configs: KV heads fewer than some TP sizes (replication), vocab not a multiple of
 #: the padding (vLLM pads the vocab to 64 per rank), tied and untied embeddings, MoE and MLA.
@@ -83,3 +88,37 @@ def hf_tensors(kind: str, seed: int) -> dict[str, torch.Tensor]:
 
 def hf_config_dict(kind: str) -> dict[str, Any]:
     return json.loads(hf_config(kind).to_json_string(use_diff=False))
+
+
+def vllm_loaded(config: Any, rank: int, tensors: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+    """vLLM's model of `rank` on CPU, parameters zeroed, then vLLM's own load of `tensors`."""
+    model = shim.build_model(config, rank, "cpu")
+    for p in model.parameters():
+        p.data.zero_()
+    shim.load_weights(model, config, rank, tensors.items())
+    return model
+
+
+@lru_cache(maxsize=None)
+def checkpoint(kind: str) -> dict[str, torch.Tensor]:
+    """The HF tensors the layout tests load (seed 0), made once per process."""
+    return hf_tensors(kind, seed=0)
+
+
+def engine_rank(kind: str, tp: int, rank: int, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], TargetTable]:
+    """What vLLM itself holds on `rank` after loading `tensors` into zeroed parameters, and that rank's table."""
+    config = shim.engine_config(hf_config_dict(kind), tp=tp, dtype="bfloat16")
+    params = {name: p.data for name, p in vllm_loaded(config, rank, tensors).named_parameters()}
+    table = TargetTable(
+        engine_id="engine", rank=rank, world_size=tp, engine="vllm", layout_key=shim.layout_key(config),
+        transport="none", transport_info={}, control_url="",
+        params=tuple(
+            TargetParam(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.data_ptr(), t.numel() * t.element_size())
+            for name, t in params.items()
+        ),
+    )
+    return params, table
+
+
+def specs(tensors: Mapping[str, torch.Tensor]) -> dict[str, ParamSpec]:
+    return {name: ParamSpec(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in tensors.items()}
