@@ -58,7 +58,7 @@ def _broadcast(pg: Any, tensors: Sequence[torch.Tensor]) -> None:
 
 
 def send_update(
-    source: TrainerSource, buckets: Sequence[Sequence[str]], pg: Any | None, progress: Callable[[], None] | None
+    source: TrainerSource, buckets: Sequence[Sequence[str]], pg: Any | None, progress: Callable[[], object]
 ) -> None:
     """One update from the trainer side. Every trainer rank gathers (a collective);
     the rank holding `pg` broadcasts. Returns once the engines hold every tensor."""
@@ -67,8 +67,7 @@ def send_update(
         if pg is not None:
             _broadcast(pg, [tensors[n].contiguous() for n in names])
         del tensors
-        if progress is not None:
-            progress()
+        progress()
     if pg is not None:
         pg.barrier().wait()
 
@@ -102,9 +101,10 @@ def engine_loop(
 
 
 def timed_update(
-    source: TrainerSource, buckets: Sequence[Sequence[str]], pg: Any | None, progress: Callable[[], None] | None
+    source: TrainerSource, buckets: Sequence[Sequence[str]], pg: Any | None, progress: Callable[[], object]
 ) -> float:
-    """Seconds of one broadcast update, from after a trainer barrier until the engines hold it."""
+    """Seconds of one broadcast update, from after a trainer barrier until the engines hold
+    it (on the rank with `pg`); with `pg` None on every rank, of the gathers alone."""
     import torch.distributed as dist
 
     dist.barrier()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -60,8 +61,13 @@ def mooncake_loopback(nbytes: int, chunk_bytes: int = 16 << 20, repeats: int = 3
 
 
 def measure(nbytes: int, transport: str) -> dict[str, Any]:
-    """memcpy, and the raw transport throughput where the transport is Mooncake (else None)."""
-    return {"memcpy": memcpy(nbytes), "raw_transport": mooncake_loopback(nbytes) if transport == "mooncake" else None}
+    """The 1-minute load average (other users of the machine), memcpy, and the raw
+    transport throughput where the transport is Mooncake (else None)."""
+    return {
+        "load_average": os.getloadavg()[0],
+        "memcpy": memcpy(nbytes),
+        "raw_transport": mooncake_loopback(nbytes) if transport == "mooncake" else None,
+    }
 
 
 def measure_apart(nbytes: int, transport: str) -> dict[str, Any]:

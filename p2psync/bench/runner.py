@@ -8,12 +8,13 @@ process of their own, while nothing else of the bench runs.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..core.types import numel
+from ..core.types import ParamSpec, numel
 from ..demo import DemoOptions, launch, start_engine, start_trainer
 from . import broadcast, limits, verify
 from .report import Way, summary
@@ -43,15 +44,14 @@ def bench_engine(index: int, opts: BenchOptions, port: int, stop: Any) -> None:
     endpoint.close()
 
 
-def _p2p(session: Session, opts: BenchOptions, tick: Callable[[], None] | None) -> Way:
+def _p2p(session: Session, opts: BenchOptions, tick: Callable[[], object]) -> Way:
     """Time `opts.updates` session updates after `opts.warmup` untimed ones."""
     import torch.distributed as dist
 
-    progress = (lambda done, total: tick()) if tick else None
     seconds = []
     for i in range(opts.warmup + opts.updates):
         dist.barrier()
-        report = session.update(f"bench-{i}", progress=progress)
+        report = session.update(f"bench-{i}", progress=lambda done, total: tick())
         if not report.ok:
             raise RuntimeError(report.format())
         if i >= opts.warmup:
@@ -66,7 +66,7 @@ def _p2p(session: Session, opts: BenchOptions, tick: Callable[[], None] | None) 
 
 def _broadcast(
     source: TrainerSource, rendezvous: Rendezvous, buckets: list[list[str]], opts: BenchOptions,
-    tick: Callable[[], None] | None,
+    tick: Callable[[], object],
 ) -> Way:
     """Time `opts.updates` broadcast updates after `opts.warmup` untimed ones."""
     import torch.distributed as dist
@@ -85,9 +85,30 @@ def _broadcast(
     )
 
 
+def _setup(opts: BenchOptions, specs: list[ParamSpec], transport: dict[str, Any], gathers: list[float]) -> dict[str, Any]:
+    """What was measured: model, layout, transport, counts, and the gathers' own time."""
+    return {
+        "model": {
+            "size": opts.size,
+            "parameters": sum(numel(s.shape) for s in specs),
+            "bytes": sum(s.nbytes for s in specs),
+            "dtype": ",".join(sorted({s.dtype for s in specs})),
+        },
+        "trainers": opts.trainers,
+        "engines": opts.engines,
+        "transport": {"name": transport["transport"], "protocol": transport.get("protocol", "-")},
+        "updates": opts.updates,
+        "warmup": opts.warmup,
+        "bucket_bytes": opts.bucket_bytes,
+        "gather_seconds": statistics.median(gathers),
+    }
+
+
 def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> None:
-    """A demo trainer rank that syncs by p2psync, then by broadcast, and verifies each."""
+    """A demo trainer rank that syncs by p2psync, then by broadcast, verifying each, then
+    times the FSDP2 gathers alone (what both ways pay before sending)."""
     import torch.distributed as dist
+    from tqdm import tqdm
 
     from ..adapters.fsdp2 import FSDP2Source
     from ..core.session import Session
@@ -101,12 +122,10 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
     )
     session.connect(engines)
     buckets = broadcast.buckets_of(source, opts.bucket_bytes)
-    bar = None
-    if rank == 0 and opts.progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=(opts.warmup + opts.updates) * (session.bucket_count + len(buckets)), unit="bucket")
-    tick = bar.update if bar else None
+    rounds = opts.warmup + opts.updates
+    bar = tqdm(
+        total=rounds * (session.bucket_count + 2 * len(buckets)), unit="bucket", disable=rank != 0 or not opts.progress
+    )
 
     def check(way: Way) -> Way:
         way.mismatches = verify.mismatches(
@@ -114,34 +133,18 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
         )
         return way
 
-    if bar:
-        bar.set_description("p2p")
-    p2p = check(_p2p(session, opts, tick))
+    bar.set_description("p2p")
+    p2p = check(_p2p(session, opts, bar.update))
     transport = session.transport.describe()
     session.close()
-    if bar:
-        bar.set_description("broadcast")
-    ways = {"p2p": p2p, "broadcast": check(_broadcast(source, rendezvous, buckets, opts, tick))}
-    if bar:
-        bar.close()
+    bar.set_description("broadcast")
+    ways = {"p2p": p2p, "broadcast": check(_broadcast(source, rendezvous, buckets, opts, bar.update))}
+    bar.set_description("gathers alone")
+    gathers = [broadcast.timed_update(source, buckets, None, bar.update) for _ in range(rounds)]
+    bar.close()
     dist.destroy_process_group()
     if rank == 0:
-        specs = source.param_specs()
-        setup = {
-            "model": {
-                "size": opts.size,
-                "parameters": sum(numel(s.shape) for s in specs),
-                "bytes": sum(s.nbytes for s in specs),
-                "dtype": ",".join(sorted({s.dtype for s in specs})),
-            },
-            "trainers": opts.trainers,
-            "engines": opts.engines,
-            "transport": {"name": transport["transport"], "protocol": transport.get("protocol", "-")},
-            "updates": opts.updates,
-            "warmup": opts.warmup,
-            "bucket_bytes": opts.bucket_bytes,
-        }
-        results.put({"setup": setup, "ways": ways})
+        results.put({"setup": _setup(opts, source.param_specs(), transport, gathers[opts.warmup :]), "ways": ways})
 
 
 def run_bench(opts: BenchOptions) -> dict[str, Any]:
