@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from ..core.devices import DEVICES, why_no_cuda
 from ..core.errors import ConnectError, TransferError
 from ..core.layout import Layout
 from ..core.source import TrainerSource
@@ -41,10 +42,20 @@ class TransportTests:
     def make_transport(self) -> Callable[[], Transport]:
         raise NotImplementedError("subclasses provide make_transport")
 
+    @pytest.fixture(params=DEVICES)
+    def device(self, request: pytest.FixtureRequest) -> str:
+        """Where the engine's memory lives: every transport on CPU, and on CUDA where
+        the transport declares it and CUDA is present (the GPU variants)."""
+        if request.param == "cuda" and (reason := why_no_cuda()):
+            pytest.skip(reason)
+        return request.param
+
     @pytest.fixture
-    def pair(self, make_transport: Callable[[], Transport]):
+    def pair(self, make_transport: Callable[[], Transport], device: str):
         from ..core.rendezvous import Rendezvous
 
+        if device not in make_transport().devices:
+            pytest.skip(f"this transport does not write {device} memory")
         rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="conformance", is_server=True, timeout=10)
         engine, trainer = make_transport(), make_transport()
         engine.bind(rendezvous)
@@ -53,27 +64,32 @@ class TransportTests:
         trainer.close()
         engine.close()
 
-    def test_writes_land_bit_for_bit(self, pair: tuple[Transport, Transport]) -> None:
+    def test_writes_land_bit_for_bit(self, pair: tuple[Transport, Transport], device: str) -> None:
         engine, trainer = pair
-        params = {"a": torch.zeros(1000, dtype=torch.float32), "b": torch.zeros(3, 7, dtype=torch.bfloat16)}
+        params = {
+            "a": torch.zeros(1000, dtype=torch.float32, device=device),
+            "b": torch.zeros(3, 7, dtype=torch.bfloat16, device=device),
+        }
         table = table_for(engine, params, engine.expose(list(params.values())))
-        buffer = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8)
+        buffer = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8).pin_memory() if device == "cuda" else (
+            torch.randint(0, 256, (1 << 16,), dtype=torch.uint8)
+        )
         trainer.register_buffer(buffer)
         peer = trainer.open(table)
         batch = WriteBatch()
         batch.add(buffer.data_ptr() + 64, params["a"].data_ptr(), 4000)
         batch.add(buffer.data_ptr() + 8192, params["b"].data_ptr() + 2, 40)  # a region inside a parameter
         peer.write(batch, timeout=30)
-        assert torch.equal(params["a"].view(torch.uint8), buffer[64:4064])
-        b = params["b"].view(torch.uint8).reshape(-1)
+        assert torch.equal(params["a"].cpu().view(torch.uint8), buffer[64:4064])
+        b = params["b"].cpu().view(torch.uint8).reshape(-1)
         assert torch.equal(b[2:42], buffer[8192:8232])
         assert not b[:2].any() and not b[42:].any(), "bytes outside the written region changed"
         peer.close()
         trainer.unregister_buffer(buffer)
 
-    def test_write_to_a_closed_peer_fails_in_time(self, pair: tuple[Transport, Transport]) -> None:
+    def test_write_to_a_closed_peer_fails_in_time(self, pair: tuple[Transport, Transport], device: str) -> None:
         engine, trainer = pair
-        params = {"a": torch.zeros(256)}
+        params = {"a": torch.zeros(256, device=device)}
         table = table_for(engine, params, engine.expose(list(params.values())))
         buffer = torch.ones(1 << 12, dtype=torch.uint8)
         trainer.register_buffer(buffer)

@@ -3,7 +3,8 @@
 Test classes declare what they exercise with a class attribute, e.g.
 `conformance = {"trainer": "fsdp2", "engine": "torch", "transport": "mooncake"}`;
 a test parametrized over an argument named `trainer`, `engine` or `transport`
-takes that part of its combination from the parameter.
+takes that part of its combination from the parameter; `device` (cpu, cuda: the
+GPU variants) likewise, cpu where a test does not say.
 Options (or $P2PSYNC_TRAINER / $P2PSYNC_ENGINE / $P2PSYNC_TRANSPORT, comma
 separated) keep only the chosen adapters; the run ends with a table of every
 combination: passed, failed, or skipped with the reason. A skip never counts as
@@ -22,7 +23,7 @@ import pytest
 
 from .table import Outcome, format_table, merge
 
-KINDS = ("trainer", "engine", "transport")
+KINDS = ("trainer", "engine", "transport", "device")
 _OUTCOMES: dict[str, Outcome] = {}
 
 
@@ -54,7 +55,7 @@ def combination(item: pytest.Item) -> dict[str, str] | None:
     if declared is None:
         return None
     params = getattr(getattr(item, "callspec", None), "params", {})
-    return {**declared, **{k: str(params[k]) for k in KINDS if k in params}}
+    return {"device": "cpu", **declared, **{k: str(params[k]) for k in KINDS if k in params}}
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

@@ -1,4 +1,4 @@
-"""The trainer x engine x transport table, from one run or merged from several
+"""The trainer x engine x transport (x device) table, from one run or merged from several
 (one tox environment per engine): `python -m p2psync.conformance.table FILE...`."""
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ def merge(old: Outcome | None, new: Outcome) -> Outcome:
     return old
 
 
-def format_table(rows: Mapping[tuple[str, str, str], Outcome]) -> str:
-    header = ("trainer", "engine", "transport", "result")
+def format_table(rows: Mapping[tuple[str, str, str, str], Outcome]) -> str:
+    header = ("trainer", "engine", "transport", "device", "result")
     lines = [
         (*key, outcome.status + (f" ({outcome.reason})" if outcome.reason else ""))
         for key, outcome in sorted(rows.items())
     ]
-    widths = [max(len(r[i]) for r in [header, *lines]) for i in range(3)]
+    widths = [max(len(r[i]) for r in [header, *lines]) for i in range(4)]
     out = ["  ".join(h.ljust(w) for h, w in zip(header, [*widths, 0]))]
     out += ["  ".join(c.ljust(w) for c, w in zip(line, [*widths, 0])) for line in lines]
     return "\n".join(out)
@@ -38,15 +38,15 @@ def format_table(rows: Mapping[tuple[str, str, str], Outcome]) -> str:
 
 def main(paths: Sequence[str]) -> int:
     """Print the merged table of several result files; exit 1 if any combination failed."""
-    rows: dict[tuple[str, str, str], Outcome] = {}
+    rows: dict[tuple[str, str, str, str], Outcome] = {}
     for path in paths:
         try:
             entries = json.loads(open(path).read())
         except FileNotFoundError:
             print(f"{path}: no results (did that environment run?)", file=sys.stderr)
             return 1
-        for trainer, engine, transport, status, reason in entries:
-            key = (trainer, engine, transport)
+        for trainer, engine, transport, device, status, reason in entries:
+            key = (trainer, engine, transport, device)
             rows[key] = merge(rows.get(key), Outcome(status, reason))
     print(format_table(rows))
     return 1 if any(o.status == "failed" for o in rows.values()) else 0

@@ -76,6 +76,8 @@ class Transport(ABC):
     name: ClassVar[str]
     #: Modules that must import for this transport to work (checked by `p2psync plugins`).
     requires: ClassVar[tuple[str, ...]] = ()
+    #: Kinds of memory it writes into ("cpu", "cuda"); the conformance suite tests each.
+    devices: ClassVar[tuple[str, ...]] = ("cpu",)
 
     def __init__(self, *, options: Mapping[str, Any] | None = None) -> None:
         self.options: dict[str, Any] = dict(options or {})

@@ -42,6 +42,8 @@ class MooncakeTransport(Transport):
 
     name = "mooncake"
     requires = ("mooncake.engine",)
+    # Device memory needs the CUDA wheel (`mooncake-transfer-engine`, extra `mooncake-cuda`).
+    devices = ("cpu", "cuda")
 
     def __init__(self, *, options: dict[str, Any] | None = None) -> None:
         super().__init__(options=options)

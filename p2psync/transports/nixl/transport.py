@@ -134,6 +134,7 @@ class NixlTransport(Transport):
     """
 
     name = "nixl"
+    devices = ("cpu", "cuda")
     requires = (NIXL_MODULE,)
 
     def __init__(self, *, options: Mapping[str, Any] | None = None) -> None:
