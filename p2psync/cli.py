@@ -22,17 +22,25 @@ def _plugins(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from .core.devices import resolve
+    from .core.errors import P2PSyncError
     from .demo import CONFIGS, DemoOptions, run
 
     if args.size not in CONFIGS:
         print(f"unknown size {args.size!r}; choose from {', '.join(CONFIGS)}", file=sys.stderr)
         return 2
+    try:
+        args.device = resolve(args.device).device
+    except P2PSyncError as exc:
+        print(f"p2psync demo: {exc}", file=sys.stderr)
+        return 2
     opts = DemoOptions(
-        size=args.size, trainers=args.trainers, engines=args.engines, updates=args.updates, transport=args.transport
+        size=args.size, trainers=args.trainers, engines=args.engines, updates=args.updates, transport=args.transport,
+        device=args.device,
     )
     print(
         f"p2psync demo: {opts.trainers} FSDP2 trainer ranks -> {opts.engines} torch engines over {opts.transport}, "
-        f"Qwen3-style model '{opts.size}', {opts.updates} updates",
+        f"Qwen3-style model '{opts.size}', {opts.updates} updates, device {opts.device}",
         flush=True,
     )
     result = run(opts)
@@ -75,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--engines", type=int, default=2)
     demo.add_argument("--updates", type=int, default=3)
     demo.add_argument("--transport", default="mooncake")
+    demo.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto")
     demo.set_defaults(func=_demo)
     from .demo import CONFIGS
 

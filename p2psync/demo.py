@@ -46,6 +46,8 @@ class DemoOptions:
     engines: int = 2
     updates: int = 3
     transport: str = "mooncake"
+    #: "cpu", "cuda" (engines and trainer ranks on GPUs, NCCL, pinned buffers) or "auto".
+    device: str = "cpu"
     bucket_bytes: int = 64 << 20
     transfer_timeout: float = 60.0
     check: bool = True
@@ -77,7 +79,7 @@ def greedy(model: Any, tokens: int = 8) -> list[int]:
     import torch
 
     with torch.no_grad():
-        ids = torch.tensor([PROMPT])
+        ids = torch.tensor([PROMPT], device=next(model.parameters()).device)
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
             do_sample=False, pad_token_id=0, eos_token_id=None,
@@ -91,6 +93,7 @@ def start_engine(index: int, opts: DemoOptions, port: int) -> tuple[Any, EngineE
     import torch
 
     from .adapters.torch import serve
+    from .core.devices import resolve
     from .core.endpoint import EngineHooks
     from .core.logs import configure
     from .core.rendezvous import Rendezvous
@@ -98,7 +101,7 @@ def start_engine(index: int, opts: DemoOptions, port: int) -> tuple[Any, EngineE
     engine_id = f"engine-{index}"
     configure(f"{engine_id} rank 0")
     torch.set_num_threads(1)
-    model = build_model(opts.size, seed=1000 + index)
+    model = build_model(opts.size, seed=1000 + index).to(resolve(opts.device).device)
     rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id=opts.job_id)
     hooks = EngineHooks(routes={"generate": lambda body: {"tokens": greedy(model, int(body.get("tokens", 8)))}})
     return model, serve(model, engine_id=engine_id, rendezvous=rendezvous, transport=opts.transport, hooks=hooks)
@@ -117,22 +120,27 @@ def engine_main(index: int, opts: DemoOptions, port: int, stop: Any) -> None:
 
 
 def start_trainer(rank: int, opts: DemoOptions, port: int) -> tuple[Rendezvous, Any]:
-    """Join the trainer world (gloo) as `rank`; return the rendezvous and the FSDP2-sharded model."""
+    """Join the trainer world (gloo on CPU, NCCL on CUDA) as `rank`; return the rendezvous
+    and the FSDP2-sharded model."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
+    from .core.devices import resolve
     from .core.logs import configure
     from .core.rendezvous import Rendezvous
 
     configure(f"trainer {rank}")
     torch.set_num_threads(1)
+    placement = resolve(opts.device)
+    if placement.device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id=opts.job_id)
     dist.init_process_group(
-        "gloo", store=torch.distributed.PrefixStore(f"gloo/{opts.job_id}", rendezvous._root),
+        placement.collective_backend, store=torch.distributed.PrefixStore(f"gloo/{opts.job_id}", rendezvous._root),
         rank=rank, world_size=opts.trainers,
     )
-    model = build_model(opts.size, seed=0)
+    model = build_model(opts.size, seed=0).to(placement.device)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -146,6 +154,7 @@ def trainer_main(rank: int, opts: DemoOptions, port: int, results: Any) -> None:
 
     from .adapters.fsdp2 import FSDP2Source
     from .core.control import post
+    from .core.devices import resolve
     from .core.session import Session
 
     rendezvous, model = start_trainer(rank, opts, port)
@@ -154,6 +163,7 @@ def trainer_main(rank: int, opts: DemoOptions, port: int, results: Any) -> None:
     session = Session(
         source=FSDP2Source(model), transport=opts.transport, rendezvous=rendezvous,
         bucket_bytes=opts.bucket_bytes, transfer_timeout=opts.transfer_timeout, check=opts.check,
+        pin_memory=resolve(opts.device).pin_buffers,
     )
     session.connect(engines)
     generator = torch.Generator().manual_seed(rank)
@@ -165,7 +175,7 @@ def trainer_main(rank: int, opts: DemoOptions, port: int, results: Any) -> None:
         bar = tqdm(total=opts.updates * session.bucket_count, desc="syncing", unit="bucket")
     for step in range(opts.updates):
         model.train()
-        batch = torch.randint(0, model.config.vocab_size, (2, 16), generator=generator)
+        batch = torch.randint(0, model.config.vocab_size, (2, 16), generator=generator).to(resolve(opts.device).device)
         model(input_ids=batch, labels=batch).loss.backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -8,6 +8,22 @@ through the `pytest11` entry point) adds the options that pick adapters and the
 trainer x engine x transport table at the end of a run.
 """
 
-from .base import EngineCase, EngineTargetTests, RoundTripTests, SourceCase, TrainerSourceTests, TransportTests
+from .base import (
+    EngineCase,
+    EngineTargetTests,
+    RoundTripTests,
+    SourceCase,
+    TrainerSourceTests,
+    TransportTests,
+    require_device,
+)
 
-__all__ = ["EngineCase", "EngineTargetTests", "RoundTripTests", "SourceCase", "TrainerSourceTests", "TransportTests"]
+__all__ = [
+    "EngineCase",
+    "EngineTargetTests",
+    "RoundTripTests",
+    "SourceCase",
+    "TrainerSourceTests",
+    "TransportTests",
+    "require_device",
+]

@@ -21,6 +21,14 @@ from ..core.types import ParamSpec, TargetParam, TargetTable
 TIMEOUT_MARGIN = 5.0
 
 
+def require_device(device: str, transport: type[Transport] | Transport | None = None) -> None:
+    """Skip, with the reason, a variant this machine or this transport cannot run."""
+    if device == "cuda" and (reason := why_no_cuda()):
+        pytest.skip(reason)
+    if transport is not None and device not in transport.devices:
+        pytest.skip(f"transport {transport.name} does not write {device} memory")
+
+
 def table_for(transport: Transport, tensors: Mapping[str, torch.Tensor], info: dict[str, Any]) -> TargetTable:
     """A target table for `tensors` exposed through `transport`."""
     return TargetTable(
@@ -46,16 +54,14 @@ class TransportTests:
     def device(self, request: pytest.FixtureRequest) -> str:
         """Where the engine's memory lives: every transport on CPU, and on CUDA where
         the transport declares it and CUDA is present (the GPU variants)."""
-        if request.param == "cuda" and (reason := why_no_cuda()):
-            pytest.skip(reason)
+        require_device(request.param)
         return request.param
 
     @pytest.fixture
     def pair(self, make_transport: Callable[[], Transport], device: str):
         from ..core.rendezvous import Rendezvous
 
-        if device not in make_transport().devices:
-            pytest.skip(f"this transport does not write {device} memory")
+        require_device(device, make_transport())
         rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="conformance", is_server=True, timeout=10)
         engine, trainer = make_transport(), make_transport()
         engine.bind(rendezvous)

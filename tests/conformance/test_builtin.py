@@ -12,7 +12,9 @@ from p2psync.conformance import (
     SourceCase,
     TrainerSourceTests,
     TransportTests,
+    require_device,
 )
+from p2psync.core.devices import DEVICES
 from p2psync.core.plugins import registry
 from p2psync.core.types import TargetParam, TargetTable
 
@@ -73,20 +75,24 @@ class TestFSDP2Source(TrainerSourceTests):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+@pytest.mark.parametrize("device", DEVICES)
 class TestFSDP2ToTorch(RoundTripTests):
     conformance = {"trainer": "fsdp2", "engine": "torch"}
 
     @pytest.fixture
-    def round_trip(self, transport, tmp_path):
+    def round_trip(self, transport, device, tmp_path):
         need(TRANSPORTS[transport], f"transport {transport}")
         need("transformers", "the FSDP2 round trip's model")
+        require_device(device, registry().transport(transport))
         from p2psync.demo import DemoOptions, run
 
         def go():
-            result = run(DemoOptions(size="tiny", updates=2, transport=transport, progress=False,
+            result = run(DemoOptions(size="tiny", updates=2, transport=transport, device=device, progress=False,
                                      bucket_bytes=64 << 10, dump_dir=str(tmp_path)))
             assert all(r.ok for r in result["reports"]), [r.format() for r in result["reports"]]
-            trainer = torch.load(tmp_path / "trainer.pt")
-            return {e: (trainer, torch.load(tmp_path / f"{e}.pt")) for e in ("engine-0", "engine-1")}
+            trainer = torch.load(tmp_path / "trainer.pt", map_location="cpu")
+            return {
+                e: (trainer, torch.load(tmp_path / f"{e}.pt", map_location="cpu")) for e in ("engine-0", "engine-1")
+            }
 
         return go
