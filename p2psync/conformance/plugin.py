@@ -108,4 +108,5 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     terminalreporter.write_line(format_table(rows))
     path = config.getoption("--p2psync-results")
     if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps([[*k, v.status, v.reason] for k, v in rows.items()], indent=1))

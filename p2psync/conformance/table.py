@@ -1,10 +1,12 @@
 """The trainer x engine x transport (x device) table, from one run or merged from several
-(one tox environment per engine): `python -m p2psync.conformance.table FILE...`."""
+(one tox environment per engine): `python p2psync/conformance/table.py DIR`. Plain
+Python, so that it runs where p2psync is not installed (tox's matrix environment)."""
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -36,18 +38,24 @@ def format_table(rows: Mapping[tuple[str, str, str, str], Outcome]) -> str:
     return "\n".join(out)
 
 
-def main(paths: Sequence[str]) -> int:
-    """Print the merged table of several result files; exit 1 if any combination failed."""
+def main(args: Sequence[str]) -> int:
+    """`table.py DIR`: print the merged table of every result file in DIR; exit 1 if
+    any combination failed or there are none. `table.py --clear DIR`: empty DIR
+    first, so that a run shows only its own results."""
+    if args[:1] == ["--clear"]:
+        folder = Path(args[1])
+        folder.mkdir(parents=True, exist_ok=True)
+        for old in folder.glob("*.json"):
+            old.unlink()
+        return 0
     rows: dict[tuple[str, str, str, str], Outcome] = {}
-    for path in paths:
-        try:
-            entries = json.loads(open(path).read())
-        except FileNotFoundError:
-            print(f"{path}: no results (did that environment run?)", file=sys.stderr)
-            return 1
-        for trainer, engine, transport, device, status, reason in entries:
+    for path in sorted(Path(args[0]).glob("*.json")):
+        for trainer, engine, transport, device, status, reason in json.loads(path.read_text()):
             key = (trainer, engine, transport, device)
             rows[key] = merge(rows.get(key), Outcome(status, reason))
+    if not rows:
+        print(f"no conformance results in {args[0]}", file=sys.stderr)
+        return 1
     print(format_table(rows))
     return 1 if any(o.status == "failed" for o in rows.values()) else 0
 
