@@ -1,21 +1,26 @@
-"""FSDP2 trainer ranks to torch engines over Mooncake, each in its own process."""
+"""FSDP2 trainer ranks to torch engines over each transport, each in its own process."""
 
 from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is not installed")
 pytest.importorskip("transformers", reason="transformers is not installed")
 
-import torch  # noqa: E402
+import torch
 
-from p2psync.demo import DemoOptions, run  # noqa: E402
+from p2psync.demo import DemoOptions, run
+
+#: Transport -> module it needs (None: torch alone).
+TRANSPORTS = {"mooncake": "mooncake.engine", "samehost": None, "torchdist": None}
 
 
 @pytest.mark.slow
-def test_fsdp2_to_two_torch_engines_over_mooncake_is_bit_exact(tmp_path):
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_fsdp2_to_two_torch_engines_is_bit_exact(transport, tmp_path):
+    if TRANSPORTS[transport]:
+        pytest.importorskip(TRANSPORTS[transport], reason=f"transport {transport} needs {TRANSPORTS[transport]}")
     opts = DemoOptions(
-        size="tiny", trainers=2, engines=2, updates=2, transport="mooncake",
+        size="tiny", trainers=2, engines=2, updates=2, transport=transport,
         bucket_bytes=64 << 10, progress=False, dump_dir=str(tmp_path),
     )
     result = run(opts)

@@ -1,0 +1,1 @@
+"""torch.distributed point-to-point transport (gloo on CPU, NCCL on GPUs), registered as "torchdist"."""
