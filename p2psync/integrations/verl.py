@@ -1,0 +1,235 @@
+"""verl checkpoint-engine backend "p2psync".
+
+Setup (verl 0.9.x, hydra overrides):
+
+    actor_rollout_ref.rollout.checkpoint_engine.backend=p2psync
+    actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=p2psync.integrations.verl
+    +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.p2psync.rendezvous=HOST:PORT
+
+verl imports `custom_backend_module` in every actor and rollout worker before it
+builds the engine; importing this module registers the backend (verl has no
+entry-point group for checkpoint engines). Other engine_kwargs: `job_id`,
+`transport` (default "mooncake"), `transfer_timeout`, `check`, `host_rendezvous`.
+
+Trainer side (verl builds it with `is_master=`): a p2psync Session over the
+per-tensor generator verl hands to `send_weights` (`IterableSource`). Every actor
+rank iterates the generator (its gathers are collectives); the plan's senders write
+each engine rank's own bytes straight into its parameter memory.
+
+Rollout side (verl builds it without `is_master`): the engine's parameters are
+already exposed by a p2psync engine endpoint (the torch, vLLM or sglang adapter)
+in the process that holds them. `receive_weights` waits until the trainer reports
+this engine's update, raises if the engine was left stale, and then yields nothing:
+the bytes are already in place, so verl's server adapter receives an empty stream
+and loads nothing tensor by tensor (for verl's sglang and vLLM adapters an empty
+stream still runs their end-of-update steps). That is the one difference from
+verl's contract, where receive_weights yields every (name, tensor).
+
+Which engine a rollout worker stands for: the endpoint `attach()`ed in its process
+(an engine served in the same process, e.g. `p2psync.adapters.torch.serve`), else
+`$P2PSYNC_ENGINE_ID`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from collections.abc import AsyncGenerator, Generator
+from typing import TYPE_CHECKING, Any
+
+from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
+
+from .iterable import IterableSource
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..core.endpoint import EngineEndpoint
+    from ..core.rendezvous import Rendezvous
+    from ..core.session import Session
+
+log = logging.getLogger(__name__)
+
+BACKEND = "p2psync"
+_attached: list[EngineEndpoint] = []
+
+
+def attach(endpoint: EngineEndpoint) -> None:
+    """Name the engine endpoint serving this process's rollout weights (rollout side)."""
+    _attached[:] = [endpoint]
+
+
+def _done_key(engine_id: str, version: str) -> str:
+    return f"verl/done/{engine_id}/{version}"
+
+
+@CheckpointEngineRegistry.register(BACKEND)
+class P2PSyncCheckpointEngine(CheckpointEngine):
+    """verl checkpoint engine that syncs through a p2psync Session.
+
+    `is_master` is given by verl on actor workers only; its absence marks a
+    rollout worker. `bucket_size` (verl's update_weights_bucket_megabytes) is the
+    Session's bucket_bytes.
+    """
+
+    wire_format = "named_tensors"
+
+    def __init__(
+        self,
+        bucket_size: int,
+        is_master: bool | None = None,
+        *,
+        rendezvous: str,
+        job_id: str = "verl",
+        transport: str = "mooncake",
+        transport_options: dict[str, Any] | None = None,
+        transfer_timeout: float = 600.0,
+        check: bool = False,
+        host_rendezvous: bool = True,
+        rendezvous_timeout: float = 600.0,
+    ) -> None:
+        self.role = "rollout" if is_master is None else "actor"
+        self.is_master = bool(is_master)
+        self.bucket_size = int(bucket_size)
+        host, _, port = rendezvous.rpartition(":")
+        self.host, self.port = host or "127.0.0.1", int(port)
+        self.job_id = job_id
+        self.transport = transport
+        self.transport_options = transport_options
+        self.transfer_timeout = transfer_timeout
+        self.check = check
+        self.host_rendezvous = host_rendezvous
+        self.rendezvous_timeout = rendezvous_timeout
+        self._rdzv: Rendezvous | None = None
+        self._session: Session | None = None
+        self._source: IterableSource | None = None
+        self._engines: list[str] = []
+        self._connected: list[str] | None = None
+        self._steps = 0
+        self.engine_id: str | None = None
+
+    # -- verl's protocol ---------------------------------------------------------------
+
+    def prepare(self) -> dict[str, Any]:
+        if self.role == "actor":
+            from ..core import collectives
+
+            return {"role": "actor", "rank": collectives.world_rank()}
+        return {"role": "rollout", "engine_id": self._own_engine_id()}
+
+    @classmethod
+    def build_topology(
+        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        actors, rollouts = metadata[:actor_wg_world_size], metadata[actor_wg_world_size:]
+        if [m.get("role") for m in actors] != ["actor"] * actor_wg_world_size or [
+            m.get("role") for m in rollouts
+        ] != ["rollout"] * rollout_world_size:
+            raise ValueError(f"p2psync: expected {actor_wg_world_size} actor then {rollout_world_size} rollout metadata")
+        engines = list(dict.fromkeys(m["engine_id"] for m in rollouts))
+        return (
+            {"engines": [engines] * actor_wg_world_size},
+            {"engine_id": [m["engine_id"] for m in rollouts]},
+        )
+
+    def init_process_group(self, engines: list[str] | None = None, engine_id: str | None = None, **_: Any) -> None:
+        self._rendezvous()
+        if self.role == "actor":
+            self._engines = list(engines or [])
+            if self._session is None:
+                from ..core.session import Session
+
+                self._source = IterableSource()
+                self._session = Session(
+                    source=self._source,
+                    transport=self.transport,
+                    rendezvous=self._rdzv,
+                    bucket_bytes=self.bucket_size,
+                    transfer_timeout=self.transfer_timeout,
+                    check=self.check,
+                    transport_options=self.transport_options,
+                )
+        else:
+            self.engine_id = engine_id or self._own_engine_id()
+
+    def finalize(self) -> None:
+        """Nothing per step: the session, its registered buffers and peers live on to the next update."""
+
+    async def send_weights(
+        self, weights: Generator[tuple[str, torch.Tensor], None, None], global_steps: int | None = None
+    ) -> dict[str, float]:
+        assert self._session is not None and self._source is not None, "send_weights before init_process_group"
+        version = self._version(global_steps)
+        source, session = self._source, self._session
+        if not source.known:
+            source.discover(weights)  # first update only: learn names, shapes and dtypes
+        else:
+            source.feed(weights)
+        try:
+            if self._connected != self._engines:
+                session.connect(self._engines)
+                self._connected = list(self._engines)
+            report = session.update(version)
+        finally:
+            source.drain()
+        if self.is_master:
+            for name, engine in report.engines.items():
+                self._rdzv.set(_done_key(name, version), json.dumps({"ok": engine.ok, "error": engine.error}))
+        if not report.ok:
+            raise RuntimeError(f"p2psync update {version} left engines stale: {report.format()}")
+        nbytes = sum(e.bytes for e in report.engines.values())
+        return {"p2psync/seconds": report.seconds, "p2psync/bytes": float(nbytes)}
+
+    async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
+        """Wait for the trainer's report on this engine; yield nothing (the bytes are in place)."""
+        version = self._version(global_steps)
+        engine_id = self.engine_id or self._own_engine_id()
+        rdzv = self._rendezvous()
+        raw = await asyncio.to_thread(rdzv.get, _done_key(engine_id, version), self.rendezvous_timeout)
+        outcome = json.loads(raw)
+        if not outcome["ok"]:
+            raise RuntimeError(f"p2psync: engine {engine_id!r} did not get weights {version}: {outcome['error']}")
+        log.info("engine %s: weights %s written in place by the trainer", engine_id, version)
+        return
+        yield  # an async generator, as verl expects
+
+    # -- teardown ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _version(self, global_steps: int | None) -> str:
+        if global_steps is None:
+            self._steps += 1
+            return f"update-{self._steps}"
+        return str(global_steps)
+
+    def _rendezvous(self) -> Rendezvous:
+        if self._rdzv is None:
+            from ..core.rendezvous import Rendezvous
+
+            self._rdzv = Rendezvous(
+                host=self.host,
+                port=self.port,
+                job_id=self.job_id,
+                is_server=self.role == "actor" and self.is_master and self.host_rendezvous,
+                timeout=self.rendezvous_timeout,
+            )
+        return self._rdzv
+
+    def _own_engine_id(self) -> str:
+        if _attached:
+            return _attached[0].engine_id
+        engine_id = os.environ.get("P2PSYNC_ENGINE_ID")
+        if not engine_id:
+            raise RuntimeError(
+                "p2psync: this rollout worker serves no engine: call p2psync.integrations.verl.attach(endpoint) "
+                "in the process that serves it, or set P2PSYNC_ENGINE_ID"
+            )
+        return engine_id
