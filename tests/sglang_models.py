@@ -88,13 +88,14 @@ def sglang_rank(
     """What sglang itself holds on `rank` after loading `tensors` into parameters prefilled
     with 0xA5 bytes, and the table that rank publishes. `config` is the HF config as a dict."""
     from p2psync.adapters.sglang.key import layout_key
-    from p2psync.adapters.sglang.shim import RankSpec, build_rank_model, require_sglang
+    from p2psync.adapters.sglang.shim import RankSpec, build_rank_model, hf_config_dict, require_sglang
 
     rank_model = build_rank_model(RankSpec(config, tp, ep, "bfloat16", rank), "cpu")
     for p in rank_model.model.parameters():
         p.data.view(torch.uint8).fill_(0xA5)
     rank_model.load(list(tensors.items()))
-    key = layout_key(rank_model.server_args, rank_model.model_config, require_sglang())
+    model_config = rank_model.model_config
+    key = layout_key(rank_model.server_args, hf_config_dict(model_config), str(model_config.dtype), require_sglang())
     held = {name: p.data for name, p in rank_model.model.named_parameters()}
     return held, table_of(rank_model.model, key, rank)
 

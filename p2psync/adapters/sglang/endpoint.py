@@ -9,6 +9,7 @@ from ...core.endpoint import EngineEndpoint, EngineHooks
 from ...core.plugins import registry
 from ...core.transport import Transport
 from .key import layout_key
+from .shim import hf_config_dict
 
 if TYPE_CHECKING:
     import torch
@@ -45,7 +46,7 @@ def serve(
         rank=rank,
         world_size=int(server_args.tp_size),
         params={name: p.data for name, p in model.named_parameters()},
-        layout_key=layout_key(server_args, model_config, sglang.__version__),
+        layout_key=layout_key(server_args, hf_config_dict(model_config), str(model_config.dtype), sglang.__version__),
         transport=transport,
         rendezvous=rendezvous,
         hooks=hooks,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from ...core.errors import ConnectError, where
@@ -32,26 +33,29 @@ _WHY = {
     "enable_dp_attention": "data-parallel attention is not supported by this layout",
     "quantization": "quantized sglang engines are not supported by this layout yet",
 }
+_SETTINGS = ("tp_size", "ep_size", "moe_a2a_backend", "moe_runner_backend", *_TRIVIAL)
 
 
 def config_hash(hf_config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(hf_config, sort_keys=True).encode()).hexdigest()
 
 
-def layout_key(server_args: Any, model_config: Any, version: str) -> dict[str, Any]:
-    """The key of a rank of an engine started with `server_args` (sglang's ServerArgs and ModelConfig)."""
-    hf_config = json.loads(model_config.hf_config.to_json_string(use_diff=False))
+def settings(server_args: Any) -> dict[str, Any]:
+    """The server settings that shape a rank's bytes, from sglang's ServerArgs (or its /get_server_info)."""
+    get = server_args.get if isinstance(server_args, Mapping) else lambda name: getattr(server_args, name)
+    return {name: get(name) for name in _SETTINGS}
+
+
+def layout_key(server_args: Any, hf_config: dict[str, Any], dtype: str, version: str) -> dict[str, Any]:
+    """The key of a rank of an sglang engine: its settings, its HF config (as a dict) and
+    resolved dtype, and the sglang version it runs."""
     return {
         "sglang": version,
-        "architecture": model_config.hf_config.architectures[0],
+        "architecture": hf_config["architectures"][0],
         "config_sha256": config_hash(hf_config),
         "config": hf_config,
-        "tp_size": int(server_args.tp_size),
-        "ep_size": int(server_args.ep_size),
-        "dtype": str(model_config.dtype).removeprefix("torch."),
-        "moe_a2a_backend": str(server_args.moe_a2a_backend),
-        "moe_runner_backend": str(server_args.moe_runner_backend),
-        **{name: getattr(server_args, name) for name in _TRIVIAL},
+        "dtype": dtype.removeprefix("torch."),
+        **settings(server_args),
     }
 
 
@@ -65,7 +69,7 @@ def rank_spec(table: TargetTable, version: str) -> RankSpec:
     def reject(reason: str) -> ConnectError:
         return ConnectError(f"{where(table.engine_id, table.rank)}: {reason}")
 
-    missing = [k for k in ("sglang", "config", "config_sha256", "tp_size", "ep_size", "dtype", *_TRIVIAL) if k not in key]
+    missing = [k for k in ("sglang", "config", "config_sha256", "dtype", *_SETTINGS) if k not in key]
     if missing:
         raise reject(f"layout key lacks {missing}; was the engine side started by another p2psync?")
     if key["sglang"] != version:
@@ -84,6 +88,6 @@ def rank_spec(table: TargetTable, version: str) -> RankSpec:
         dtype=str(key["dtype"]),
         rank=table.rank,
         quantization=key["quantization"],
-        moe_a2a_backend=str(key.get("moe_a2a_backend", "none")),
-        moe_runner_backend=str(key.get("moe_runner_backend", "auto")),
+        moe_a2a_backend=str(key["moe_a2a_backend"]),
+        moe_runner_backend=str(key["moe_runner_backend"]),
     )

@@ -20,6 +20,7 @@ import torch
 
 from ...core.errors import ConnectError, where
 from ...core.layout import Layout, ParamGroup
+from ...core.session import ALIGN
 from ...core.types import ParamSpec, Region, TargetTable
 from .copymap import ParamMap, index_inputs, param_map, written_runs
 from .key import rank_spec
@@ -28,8 +29,6 @@ from .shim import RankModel, build_rank_model
 
 log = logging.getLogger(__name__)
 
-#: Alignment of each parameter inside a group's bytes, so every dtype view is aligned.
-ALIGN = 64
 MODES = ("copy_map", "replica")
 
 

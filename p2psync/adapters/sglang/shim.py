@@ -109,6 +109,11 @@ class RankModel:
             self.model.load_weights(list(items))
 
 
+def hf_config_dict(model_config: Any) -> dict[str, Any]:
+    """The HF config sglang's ModelConfig holds, as a JSON-ready dict."""
+    return json.loads(model_config.hf_config.to_json_string(use_diff=False))
+
+
 def server_args(model_path: str, spec: RankSpec, device: str = "cpu") -> Any:
     """ServerArgs of a rank as the trainer rebuilds it: only what shapes the weights."""
     from sglang.srt.server_args import ServerArgs
@@ -180,3 +185,22 @@ def _init_groups(parallel_state: Any, spec: RankSpec) -> None:
         parallel_state.init_model_parallel_group = original
         for name in _GROUP_GLOBALS:
             setattr(parallel_state, name, None)
+
+
+def patch_server_for_cpu() -> None:
+    """Fixes a real sglang server needs on a machine without CUDA, applied in each of its processes.
+
+    sglang registers weight memory with Mooncake from the CUDA allocator's memory
+    snapshot, which is empty on CPU, so every write would be refused; its older
+    per-parameter registration covers CPU memory.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    require_sglang()
+    from sglang.srt.model_executor.model_runner_components import remote_instance_weight_transporter as transporter
+    from sglang.srt.model_loader import loader, remote_instance_weight_loader_utils as utils
+
+    transporter.register_memory_region = utils.register_memory_region_v1
+    loader.register_memory_region = utils.register_memory_region_v1

@@ -13,7 +13,8 @@ from ...core.types import ParamSpec, TargetTable
 
 
 class SglangEngineTarget(EngineTarget):
-    """sglang engines whose ranks run `p2psync.adapters.sglang.serve`.
+    """sglang engines: ranks running `p2psync.adapters.sglang.serve`, or a real sglang server
+    whose tables `publish_server` made (controlled through the server's own API).
 
     Option `layout`, else the P2PSYNC_SGLANG_LAYOUT variable (a Session constructs
     targets without options): "copy_map" (default) or "replica" (see SglangLayout).
@@ -37,4 +38,8 @@ class SglangEngineTarget(EngineTarget):
         return SglangLayout(table, sources, mode=self.mode, version=version)
 
     def control(self, tables: Sequence[TargetTable], *, timeout: float, token: str = "") -> EngineControl:
+        from .server import SERVER_CONTROL, ServerControl
+
+        if tables[0].extra.get("control") == SERVER_CONTROL:
+            return ServerControl(tables[0].control_url, engine_id=tables[0].engine_id, timeout=timeout)
         return EndpointControl(tables, timeout=timeout, token=token)

@@ -1,0 +1,126 @@
+"""A real sglang server as a target: its own Mooncake endpoint and its own control API.
+
+A server started with `--remote-instance-weight-loader-start-seed-via-transfer-engine`
+registers each rank's weights with Mooncake and tells where they are at
+`/remote_instance_transfer_engine_info?rank=N` (session, and per parameter its
+address, element count and size). `publish_server` turns that, with the server's
+settings from `/get_server_info`, into target tables in the rendezvous, so a
+Session connects to the server like to any engine; `ServerControl` drives it
+through `/pause_generation`, `/begin_weight_update`, `/end_weight_update`,
+`/flush_cache`, `/update_weight_version` and `/continue_generation`.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ...core.engine import EngineControl
+from ...core.errors import ConnectError, ControlError, where
+from ...core.types import Region, TargetParam, TargetTable
+from .key import layout_key, rank_spec
+
+if TYPE_CHECKING:
+    from ...core.rendezvous import Rendezvous
+
+#: `TargetTable.extra["control"]` of tables made by `publish_server`.
+SERVER_CONTROL = "sglang-server"
+
+
+def http(url: str, path: str, body: dict[str, Any] | None = None, *, timeout: float) -> Any:
+    """GET (no body) or POST JSON to the server; the decoded JSON answer, or its text."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"{url}{path}", data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            text = answer.read().decode()
+    except (urllib.error.URLError, OSError) as exc:
+        detail = exc.read().decode()[:300] if isinstance(exc, urllib.error.HTTPError) else str(exc)
+        raise ControlError(f"{path} at {url} failed: {detail}") from exc
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def publish_server(
+    url: str, *, engine_id: str, rendezvous: Rendezvous, hf_config: dict[str, Any], timeout: float = 30.0
+) -> list[TargetTable]:
+    """Publish the target table of every rank of the sglang server at `url`.
+
+    `hf_config` is the model's HF config (the trainer's own; the server's files
+    need not be readable here). Shapes and dtypes come from sglang's rank model
+    rebuilt on meta and must agree with the element counts the server reports.
+    """
+    from .shim import build_rank_model, require_sglang
+
+    info = http(url, "/get_server_info", timeout=timeout)
+    if info.get("dtype") in (None, "auto"):
+        raise ConnectError(f"{where(engine_id)}: start the server with an explicit --dtype, so its bytes are known")
+    key = layout_key(info, hf_config, str(info["dtype"]), str(info.get("version")))
+    tables = []
+    for rank in range(int(info["tp_size"])):
+        answer = http(url, f"/remote_instance_transfer_engine_info?rank={rank}", timeout=timeout)
+        session, weights = answer["remote_instance_transfer_engine_info"]
+        draft = TargetTable(engine_id, rank, int(info["tp_size"]), "sglang", key, "mooncake", {}, url, ())
+        model = build_rank_model(rank_spec(draft, require_sglang()), "meta").model
+        table = TargetTable(
+            engine_id=engine_id, rank=rank, world_size=int(info["tp_size"]), engine="sglang", layout_key=key,
+            transport="mooncake", transport_info={"session": session}, control_url=url,
+            params=tuple(_param(engine_id, rank, name, p, weights) for name, p in model.named_parameters()),
+            job_id=rendezvous.job_id, extra={"control": SERVER_CONTROL},
+        )
+        rendezvous.publish(table)
+        tables.append(table)
+    return tables
+
+
+def _param(engine_id: str, rank: int, name: str, param: Any, weights: Mapping[str, Sequence[int]]) -> TargetParam:
+    if name not in weights:
+        raise ConnectError(f"{where(engine_id, rank, name)}: the server registered no such weight")
+    addr, numel, size = (int(x) for x in weights[name])
+    if (numel, size) != (param.numel(), param.element_size()):
+        raise ConnectError(
+            f"{where(engine_id, rank, name)}: the server holds {numel} elements of {size} bytes, "
+            f"sglang's rank model {param.numel()} of {param.element_size()}"
+        )
+    return TargetParam(name, tuple(param.shape), str(param.dtype).removeprefix("torch."), addr, numel * size)
+
+
+class ServerControl(EngineControl):
+    """Control of one sglang server through its HTTP API. `pause_mode` is sglang's
+    /pause_generation mode: "abort" (default), "retract" or "in_place"."""
+
+    def __init__(self, url: str, *, engine_id: str, timeout: float, pause_mode: str = "abort") -> None:
+        self.url = url
+        self.engine_id = engine_id
+        self.timeout = timeout
+        self.pause_mode = pause_mode
+
+    def _post(self, path: str, body: dict[str, Any]) -> Any:
+        try:
+            return http(self.url, path, body, timeout=self.timeout)
+        except ControlError as exc:
+            raise ControlError(f"{where(self.engine_id)}: {exc}") from exc
+
+    def check_access(self) -> None:
+        try:
+            http(self.url, "/health", timeout=self.timeout)
+        except ControlError as exc:
+            raise ControlError(f"{where(self.engine_id)}: {exc}") from exc
+
+    def pause(self) -> None:
+        self._post("/pause_generation", {"mode": self.pause_mode})
+        self._post("/begin_weight_update", {})
+
+    def finish(self, version: str) -> None:
+        self._post("/end_weight_update", {})
+        self._post("/flush_cache", {})  # the prefix cache holds what the old weights computed
+        self._post("/update_weight_version", {"new_version": version, "abort_all_requests": False})
+        self._post("/continue_generation", {})
+
+    def digests(self, rank: int, regions: Mapping[str, Sequence[Region]]) -> dict[str, str]:
+        raise ControlError(f"{where(self.engine_id, rank)}: an sglang server reports no digests; connect with check=False")

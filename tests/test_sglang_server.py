@@ -1,0 +1,110 @@
+"""A real single-rank sglang server on CPU, updated from a trainer through its own Mooncake endpoint.
+
+The server loads one random model; the trainer holds another. After one update,
+greedy generation through the server's HTTP API equals transformers with the
+trainer's weights, and the server reports the new weight version. p2psync's CPU
+fix reaches every server process through sglang's own plugin entry points.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("sglang", reason="sglang (p2psync[sglang], sglang==0.5.23) is not installed; run `tox -e sglang`")
+pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is not installed")
+pytest.importorskip("transformers", reason="transformers is not installed")
+
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from p2psync.adapters.fsdp2 import FSDP2Source  # noqa: E402
+from p2psync.adapters.sglang.server import http, publish_server  # noqa: E402
+from p2psync.core.errors import ControlError  # noqa: E402
+from p2psync.core.rendezvous import Rendezvous  # noqa: E402
+from p2psync.core.session import Session  # noqa: E402
+from p2psync.demo import PROMPT, build_model, free_port, greedy  # noqa: E402
+
+STARTUP_TIMEOUT = 420
+
+
+def plugin_dir(root: Path) -> Path:
+    """A distribution that declares p2psync's sglang general plugin, for sglang to discover."""
+    info = root / "p2psync_sglang_plugin-0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: p2psync-sglang-plugin\nVersion: 0\n")
+    (info / "entry_points.txt").write_text("[sglang.srt.plugins]\np2psync = p2psync.adapters.sglang.server_plugin:load\n")
+    return root
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[str]:
+    model = build_model("tiny", seed=1)
+    model.config.architectures = ["Qwen3ForCausalLM"]
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "model")
+    port = free_port()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(plugin_dir(tmp_path / "plugins")), os.environ.get("PYTHONPATH", "")]),
+        "SGLANG_HOST_IP": "127.0.0.1",
+        "MOONCAKE_PROTOCOL": "tcp",
+    }
+    command = [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", str(tmp_path / "model"), "--dtype", "bfloat16",
+        "--device", "cpu", "--attention-backend", "torch_native", "--skip-tokenizer-init",
+        "--remote-instance-weight-loader-start-seed-via-transfer-engine", "--engine-info-bootstrap-port", str(free_port()),
+        "--mem-fraction-static", "0.2", "--max-total-tokens", "4096", "--context-length", "256",
+        "--host", "127.0.0.1", "--port", str(port),
+    ]
+    log = open(tmp_path / "server.log", "w")
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"sglang server exited with {process.returncode}:\n{(tmp_path / 'server.log').read_text()[-3000:]}")
+            try:
+                http(url, "/health_generate", timeout=10)
+                break
+            except ControlError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"sglang server not ready in {STARTUP_TIMEOUT} s")
+                time.sleep(2)
+        yield url
+    finally:
+        os.killpg(process.pid, 15)
+        process.wait(timeout=60)
+        log.close()
+
+
+def generate(url: str) -> dict:
+    body = {"input_ids": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
+    return http(url, "/generate", body, timeout=120)
+
+
+@pytest.mark.slow
+def test_update_of_a_real_sglang_server_generates_like_the_trainer(server):
+    trainer = build_model("tiny", seed=2)
+    expected = greedy(trainer)
+    assert generate(server)["output_ids"] != expected, "pick seeds whose models answer differently"
+
+    config = trainer.config
+    config.architectures = ["Qwen3ForCausalLM"]
+    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="sglang-server", is_server=True)
+    publish_server(server, engine_id="server", rendezvous=rendezvous, hf_config=json.loads(config.to_json_string(use_diff=False)))
+    with Session(source=FSDP2Source(trainer), transport="mooncake", rendezvous=rendezvous, check=False) as session:
+        session.connect(["server"])
+        report = session.update("v2")
+    assert report.ok, report.format()
+    assert report.engines["server"].bytes == sum(p.nbytes for p in session.tables["server"][0].params)
+
+    answer = generate(server)
+    assert answer["output_ids"] == expected
+    assert answer["meta_info"]["weight_version"] == "v2"
