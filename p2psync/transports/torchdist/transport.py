@@ -108,7 +108,8 @@ class TorchDistPeer(Peer):
         # Where the bytes leave from: host memory for gloo; for NCCL this rank's GPU, read here because the
         # writer threads that call write() do not inherit the caller's current device.
         self.send_device = _send_device(device)
-        self._store = transport._bound().store.clone()  # its own connection: writes run on writer threads
+        # Its own store connection, used by one thread at a time: open(), then write() on a writer thread.
+        self._store = transport._bound().store.clone()
         self._lock = threading.Lock()
         self._pair: Pair | None = self._connect(time.monotonic() + transport.connect_timeout)
 
@@ -120,7 +121,7 @@ class TorchDistPeer(Peer):
         timeout = max(deadline - time.monotonic(), 1e-3)
         try:
             return Pair.connect(
-                dist.PrefixStore(channel_key(self.channel, f"pair/{n}/"), self._store.clone()),
+                dist.PrefixStore(channel_key(self.channel, f"pair/{n}/"), self._store),
                 TRAINER,
                 host=self.transport.host,
                 timeout=timeout,
