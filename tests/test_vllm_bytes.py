@@ -17,6 +17,7 @@ from vllm_helpers import checkpoint, engine_rank, specs  # noqa: E402
 from p2psync.adapters.vllm.layouts import ReplicaLayout  # noqa: E402
 
 CASES = [("qwen2", 4), ("qwen3_moe", 2), ("deepseek_v3", 2)]
+FUSED = ("qkv_proj", "gate_up_proj", "experts.w13", "experts.w2")
 
 
 def m2n_bytes(layout: ReplicaLayout, tensors: dict[str, torch.Tensor], tp: int) -> dict[str, int]:
@@ -51,7 +52,7 @@ def test_each_rank_receives_only_its_own_bytes_where_m2n_sends_fused_parameters_
             assert ours[name] <= t.numel() * t.element_size(), name  # never more than the rank holds
             assert ours[name] <= theirs[name], name
             rows.append((rank, name, ours[name], theirs[name]))
-        fused = [n for n in params if any(part in n for part in ("qkv_proj", "gate_up_proj", "experts.w13", "experts.w2"))]
+        fused = [n for n in params if any(part in n for part in FUSED)]
         assert fused and all(ours[n] < theirs[n] for n in fused), "m2n sends fused parameters whole"
         assert sum(ours.values()) < sum(theirs.values())
     print(f"\n{kind} tp{tp}: bytes received per rank and parameter (p2psync / nccl_m2n)")

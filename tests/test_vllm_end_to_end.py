@@ -41,4 +41,5 @@ def test_fsdp2_to_two_vllm_engines_of_two_ranks_over_mooncake_is_bit_exact(tmp_p
             ] * opts.updates, (engine, rank)
             assert held["calls"][-2][1] == {"update_info": {"version": f"step-{opts.updates}"}}
             for name, p in expected.named_parameters():
-                assert torch.equal(held["params"][name].view(torch.uint8), p.data.view(torch.uint8)), (KIND, engine, rank, name)
+                got = held["params"][name]
+                assert torch.equal(got.view(torch.uint8), p.data.view(torch.uint8)), (KIND, engine, rank, name)

@@ -18,14 +18,17 @@ from p2psync.core.types import TargetTable  # noqa: E402
 CASES = [(kind, tp) for kind in ("qwen2", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3") for tp in (1, 2, 4)]
 
 
-def produce(layout: VllmLayout, tensors: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def produce(
+    layout: VllmLayout, tensors: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """Every group filled into a garbage buffer, its regions written over zeroed parameters:
     a region too many shows as garbage, a region missing as zeros."""
     held = {name: torch.zeros(t.numel() * t.element_size(), dtype=torch.uint8) for name, t in like.items()}
     for group in layout.groups():
         out = torch.randint(0, 256, (group.nbytes,), dtype=torch.uint8)
         for r in layout.fill(group, {name: tensors[name] for name in group.inputs}, out):
-            held[r.param][r.param_offset : r.param_offset + r.nbytes] = out[r.buffer_offset : r.buffer_offset + r.nbytes]
+            region = out[r.buffer_offset : r.buffer_offset + r.nbytes]
+            held[r.param][r.param_offset : r.param_offset + r.nbytes] = region
     return held
 
 

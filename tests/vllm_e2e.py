@@ -9,6 +9,8 @@ config, driving vLLM's trainer-side factory with one client per engine.
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,6 +87,11 @@ def engine_rank_main(index: int, opts: VllmE2EOptions, port: int, stop: Any) -> 
         held = {name: p.data.clone() for name, p in model.named_parameters()}
         torch.save({"params": held, "calls": calls}, Path(opts.dump_dir) / f"{engine_id}-rank{rank}.pt")
         engine.shutdown()
+    # Everything is saved and closed. Interpreter teardown of a process holding vLLM and Mooncake
+    # hangs in native code (seen: >30 s, no Python frame), so end the process here.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class WorkerClient:

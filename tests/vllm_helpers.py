@@ -105,7 +105,9 @@ def checkpoint(kind: str) -> dict[str, torch.Tensor]:
     return hf_tensors(kind, seed=0)
 
 
-def engine_rank(kind: str, tp: int, rank: int, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], TargetTable]:
+def engine_rank(
+    kind: str, tp: int, rank: int, tensors: Mapping[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], TargetTable]:
     """What vLLM itself holds on `rank` after loading `tensors` into zeroed parameters, and that rank's table."""
     config = shim.engine_config(hf_config_dict(kind), tp=tp, dtype="bfloat16")
     params = {name: p.data for name, p in vllm_loaded(config, rank, tensors).named_parameters()}
@@ -113,7 +115,7 @@ def engine_rank(kind: str, tp: int, rank: int, tensors: Mapping[str, torch.Tenso
         engine_id="engine", rank=rank, world_size=tp, engine="vllm", layout_key=shim.layout_key(config),
         transport="none", transport_info={}, control_url="",
         params=tuple(
-            TargetParam(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.data_ptr(), t.numel() * t.element_size())
+            TargetParam(name, tuple(t.shape), dtype_name(t), t.data_ptr(), t.numel() * t.element_size())
             for name, t in params.items()
         ),
     )
@@ -121,4 +123,8 @@ def engine_rank(kind: str, tp: int, rank: int, tensors: Mapping[str, torch.Tenso
 
 
 def specs(tensors: Mapping[str, torch.Tensor]) -> dict[str, ParamSpec]:
-    return {name: ParamSpec(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in tensors.items()}
+    return {name: ParamSpec(name, tuple(t.shape), dtype_name(t)) for name, t in tensors.items()}
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")

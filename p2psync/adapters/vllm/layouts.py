@@ -68,11 +68,17 @@ class VllmLayout(Layout):
                 f"{where(table.engine_id, table.rank, missing[0])}: no trainer HF tensor feeds it"
                 + (f" (nor {len(missing) - 1} more parameters)" if len(missing) > 1 else "")
             )
-        self.plans = [self._compile(ins, outs, sources, held) for ins, outs in groups_of(feeds, list(sources), list(held))]
+        self.plans = [
+            self._compile(ins, outs, sources, held) for ins, outs in groups_of(feeds, list(sources), list(held))
+        ]
         self._by_key = {plan.group: plan for plan in self.plans}
 
     def _compile(
-        self, inputs: Sequence[str], outputs: Sequence[str], sources: Mapping[str, ParamSpec], held: Mapping[str, TargetParam]
+        self,
+        inputs: Sequence[str],
+        outputs: Sequence[str],
+        sources: Mapping[str, ParamSpec],
+        held: Mapping[str, TargetParam],
     ) -> GroupPlan:
         maps = probe(self.model, [sources[name] for name in inputs], outputs)
         starts, code = [], 0
@@ -90,7 +96,9 @@ class VllmLayout(Layout):
     def groups(self) -> Sequence[ParamGroup]:
         return [plan.group for plan in self.plans]
 
-    def _replica(self, plans: Sequence[ParamPlan], group: ParamGroup, tensors: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
+    def _replica(
+        self, plans: Sequence[ParamPlan], group: ParamGroup, tensors: Mapping[str, torch.Tensor], out: torch.Tensor
+    ) -> None:
         """vLLM's own loader writes `plans`' parameters (views into `out`); the group's other
         parameters stay on meta."""
         with self.model.materialized({p.param.name: p.view(out).view(p.param.shape) for p in plans}):
@@ -136,7 +144,9 @@ def _vllm_config(table: TargetTable) -> Any:
     if key.get("quantization"):
         problems.append(f"quantization {key['quantization']!r} is not supported")
     if key.get("pp", 1) != 1 or key.get("dp", 1) != 1 or key.get("ep"):
-        problems.append(f"only tensor parallelism is supported (pp={key.get('pp')}, dp={key.get('dp')}, ep={key.get('ep')})")
+        problems.append(
+            f"only tensor parallelism is supported (pp={key.get('pp')}, dp={key.get('dp')}, ep={key.get('ep')})"
+        )
     if key.get("tp") != table.world_size:
         problems.append(f"tp {key.get('tp')} differs from the engine's {table.world_size} ranks")
     if problems:
@@ -154,8 +164,15 @@ def _check_params(table: TargetTable, model: RankModel) -> dict[str, TargetParam
         if p is None:
             problems.append(f"{where(table.engine_id, table.rank, name)} is not in its table")
         elif (p.shape, p.dtype) != expect:
-            problems.append(f"{where(table.engine_id, table.rank, name)}: {list(p.shape)} {p.dtype} published, {list(expect[0])} {expect[1]} rebuilt")
-    problems += [f"{where(table.engine_id, table.rank, n)} is not a parameter of the rebuilt model" for n in held if n not in model.params]
+            problems.append(
+                f"{where(table.engine_id, table.rank, name)}: {list(p.shape)} {p.dtype} published, "
+                f"{list(expect[0])} {expect[1]} rebuilt"
+            )
+    problems += [
+        f"{where(table.engine_id, table.rank, n)} is not a parameter of the rebuilt model"
+        for n in held
+        if n not in model.params
+    ]
     if problems:
         raise ConnectError("; ".join(problems))
     return {name: held[name] for name in model.params}

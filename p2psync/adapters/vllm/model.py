@@ -90,7 +90,9 @@ class RankModel:
         return dict(feeds)
 
 
-def groups_of(feeds: Mapping[str, set[str]], inputs: Sequence[str], params: Sequence[str]) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+def groups_of(
+    feeds: Mapping[str, set[str]], inputs: Sequence[str], params: Sequence[str]
+) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
     """Connected components of the HF-tensor -> parameter relation, as (inputs, outputs) in
     the trainer's and the engine's order."""
     parent: dict[str, str] = {}

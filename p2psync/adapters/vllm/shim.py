@@ -164,13 +164,16 @@ def build_model(vllm_config: Any, rank: int, device: str) -> torch.nn.Module:
     compilation = vllm_config.compilation_config
     shared, compilation.static_forward_context = compilation.static_forward_context, {}
     try:
-        with rank_state(vllm_config, rank), set_default_torch_dtype(vllm_config.model_config.dtype), torch.device(device):
+        dtype = set_default_torch_dtype(vllm_config.model_config.dtype)
+        with rank_state(vllm_config, rank), dtype, torch.device(device):
             return initialize_model(vllm_config=vllm_config)
     finally:
         compilation.static_forward_context = shared
 
 
-def load_weights(model: torch.nn.Module, vllm_config: Any, rank: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_weights(
+    model: torch.nn.Module, vllm_config: Any, rank: int, weights: Iterable[tuple[str, torch.Tensor]]
+) -> None:
     """vLLM's own `model.load_weights`, as TP rank `rank` (no post-processing)."""
     with rank_state(vllm_config, rank):
         model.load_weights(weights)

@@ -171,7 +171,9 @@ class P2PSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[P2PSyncTrai
         cls, init_info: P2PSyncTrainerInitInfo, *, client: VLLMWeightSyncClient, source: Any = None
     ) -> P2PSyncTrainerWeightTransferEngine:
         if not isinstance(source, TrainerSource):
-            raise TypeError(f"the p2psync backend needs a p2psync TrainerSource (e.g. FSDP2Source), got {type(source).__name__}")
+            raise TypeError(
+                f"the p2psync backend needs a p2psync TrainerSource (e.g. FSDP2Source), got {type(source).__name__}"
+            )
         if not isinstance(client, EngineClients):
             if len(init_info.engine_ids) != 1:
                 raise ValueError("several engines need one client each: pass EngineClients({engine_id: client})")
