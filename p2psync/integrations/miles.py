@@ -1,0 +1,223 @@
+"""Weight updaters for miles and slime that sync through p2psync.
+
+Both frameworks build one updater per trainer rank in their Megatron actor
+(`slime/backends/megatron_utils/actor.py`, `miles/backends/megatron_utils/actor.py`)
+and call, on every rank, `connect_rollout_engines(...)` when the engine set
+changes and `update_weights()` after each training step; the actor compares
+`weight_version` with the engines'. The classes here keep those signatures:
+
+- `P2PSyncUpdateWeight`: slime's and miles' (before its WeightUpdater refactor)
+  `UpdateWeightFromDistributed(args, model, weights_getter, *, model_name,
+  quantization_config)`, `connect_rollout_engines(rollout_engines,
+  rollout_engine_lock, engine_gpu_counts=None, engine_gpu_offsets=None)`.
+- `P2PSyncWeightUpdater`: miles' `WeightUpdater(args, model, *, weights_getter,
+  model_name, quantization_config, iterator_factory, parallel_state, is_lora,
+  lora_sync_config=None)`, `connect_rollout_engines(rollout_engines,
+  engine_gpu_counts=None, engine_gpu_offsets=None)`, `pop_metrics()`.
+
+Settings come from `args` attributes, else environment variables (which Ray
+passes to the actors through its runtime env):
+
+| args attribute              | environment              | default            |
+|-----------------------------|--------------------------|--------------------|
+| p2psync_rendezvous          | P2PSYNC_RENDEZVOUS       | required, host:port|
+| p2psync_job_id              | P2PSYNC_JOB_ID           | "rl"               |
+| p2psync_transport           | P2PSYNC_TRANSPORT        | "mooncake"         |
+| p2psync_source              | P2PSYNC_SOURCE           | "megatron"         |
+| p2psync_engine_prefix       | P2PSYNC_ENGINE_PREFIX    | "rollout-"         |
+| p2psync_host_rendezvous     | P2PSYNC_HOST_RENDEZVOUS  | true (rank 0 hosts)|
+| p2psync_check               | P2PSYNC_CHECK            | false              |
+| update_weight_buffer_size   | -                        | bucket_bytes       |
+
+Rollout engine i must serve its parameters under engine id `<prefix><i>` (the
+order of `rollout_engines`), or `args.p2psync_engine_ids` lists the ids.
+The trainer source is the registered p2psync TrainerSource named by
+`p2psync_source`, built from the actor's model (the model chunk list for
+Megatron; its first chunk for single-module sources such as fsdp2), or the
+`source=` argument.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..core.report import UpdateReport
+    from ..core.session import Session
+    from ..core.source import TrainerSource
+
+log = logging.getLogger(__name__)
+
+_DEFAULTS = {
+    "rendezvous": None,
+    "job_id": "rl",
+    "transport": "mooncake",
+    "source": "megatron",
+    "engine_prefix": "rollout-",
+    "host_rendezvous": "1",
+    "check": "0",
+}
+
+
+def setting(args: Any, key: str) -> Any:
+    value = getattr(args, f"p2psync_{key}", None)
+    if value is None:
+        value = os.environ.get(f"P2PSYNC_{key.upper()}", _DEFAULTS[key])
+    if key in ("host_rendezvous", "check") and isinstance(value, str):
+        value = value.lower() not in ("0", "false", "no", "")
+    return value
+
+
+class P2PSyncUpdateWeight:
+    """slime's / miles' updater interface over a p2psync Session (collective on every trainer rank)."""
+
+    def __init__(
+        self,
+        args: Any,
+        model: Sequence[torch.nn.Module] | torch.nn.Module,
+        weights_getter: Callable[[], Mapping[str, torch.Tensor]] | None = None,
+        *,
+        model_name: str | None = None,
+        quantization_config: dict[str, Any] | None = None,
+        source: TrainerSource | None = None,
+        **_: Any,
+    ) -> None:
+        if quantization_config:
+            log.warning("p2psync: quantization_config is not applied by the trainer; the engine's layout decides the bytes")
+        self.args = args
+        self.model = model
+        self.model_name = model_name
+        self.quantization_config = quantization_config
+        self.weights_getter = weights_getter
+        self.weight_version = 0
+        self.rollout_engines: Sequence[Any] | None = None
+        self.last_report: UpdateReport | None = None
+        self._source = source
+        self._session: Session | None = None
+
+    # -- the frameworks' interface -----------------------------------------------------
+
+    def connect_rollout_engines(
+        self,
+        rollout_engines: Sequence[Any],
+        rollout_engine_lock: Any = None,
+        engine_gpu_counts: Sequence[int] | None = None,
+        engine_gpu_offsets: Sequence[int] | None = None,
+    ) -> None:
+        """Connect (again) to the engines; collective. The lock is not needed: nothing is broadcast."""
+        self.rollout_engines = rollout_engines
+        self._ensure_session().connect(self.engine_ids(rollout_engines))
+
+    def update_weights(self) -> None:
+        """Pause, write every engine rank's bytes, verify if asked, set the version, resume; collective."""
+        if self._session is None:
+            raise RuntimeError("update_weights before connect_rollout_engines")
+        self.weight_version += 1
+        report = self._session.update(str(self.weight_version))
+        self.last_report = report
+        if not report.ok:
+            raise RuntimeError(f"p2psync update {self.weight_version} left engines stale: {report.format()}")
+
+    def disconnect_rollout_engines(self) -> None:
+        """slime calls this before offloading the trainer: close peers, buffers and the transport."""
+        self.close()
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def engine_ids(self, rollout_engines: Sequence[Any]) -> list[str]:
+        ids = getattr(self.args, "p2psync_engine_ids", None)
+        if ids is not None:
+            if len(ids) != len(rollout_engines):
+                raise ValueError(f"p2psync_engine_ids names {len(ids)} engines, the framework has {len(rollout_engines)}")
+            return list(ids)
+        prefix = setting(self.args, "engine_prefix")
+        return [f"{prefix}{i}" for i in range(len(rollout_engines))]
+
+    def _ensure_session(self) -> Session:
+        if self._session is not None:
+            return self._session
+        from ..core import collectives
+        from ..core.plugins import registry
+        from ..core.rendezvous import Rendezvous
+        from ..core.session import DEFAULT_BUCKET_BYTES, Session
+
+        address = setting(self.args, "rendezvous")
+        if not address:
+            raise ValueError("p2psync: set args.p2psync_rendezvous or $P2PSYNC_RENDEZVOUS to host:port")
+        host, _, port = str(address).rpartition(":")
+        rendezvous = Rendezvous(
+            host=host or "127.0.0.1",
+            port=int(port),
+            job_id=setting(self.args, "job_id"),
+            is_server=collectives.world_rank() == 0 and setting(self.args, "host_rendezvous"),
+        )
+        if self._source is None:
+            cls = registry().trainer_source(setting(self.args, "source"))
+            model = self.model
+            if cls.name != "megatron" and isinstance(model, Sequence):
+                (model,) = model  # single-module sources take the one model chunk
+            self._source = cls(model)
+        self._session = Session(
+            source=self._source,
+            transport=setting(self.args, "transport"),
+            rendezvous=rendezvous,
+            bucket_bytes=int(getattr(self.args, "update_weight_buffer_size", None) or DEFAULT_BUCKET_BYTES),
+            check=setting(self.args, "check"),
+        )
+        return self._session
+
+    def close(self) -> None:
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+
+
+class P2PSyncWeightUpdater(P2PSyncUpdateWeight):
+    """miles' `WeightUpdater` interface (connect without a lock; metrics per update)."""
+
+    def __init__(
+        self,
+        args: Any,
+        model: Sequence[torch.nn.Module] | torch.nn.Module,
+        *,
+        weights_getter: Callable[[], Mapping[str, torch.Tensor]] | None = None,
+        model_name: str | None = None,
+        quantization_config: dict[str, Any] | None = None,
+        iterator_factory: Callable[..., Any] | None = None,
+        parallel_state: Any = None,
+        is_lora: bool = False,
+        lora_sync_config: dict[str, Any] | None = None,
+        source: TrainerSource | None = None,
+    ) -> None:
+        if is_lora:
+            raise NotImplementedError("p2psync: LoRA adapter sync is not supported; sync merged weights")
+        super().__init__(
+            args, model, weights_getter, model_name=model_name, quantization_config=quantization_config, source=source
+        )
+        self.parallel_state = parallel_state
+
+    def connect_rollout_engines(  # type: ignore[override]
+        self,
+        rollout_engines: Sequence[Any],
+        engine_gpu_counts: Sequence[int] | None = None,
+        engine_gpu_offsets: Sequence[int] | None = None,
+    ) -> None:
+        super().connect_rollout_engines(rollout_engines, None, engine_gpu_counts, engine_gpu_offsets)
+
+    def pop_metrics(self) -> dict[str, float]:
+        report, self.last_report = self.last_report, None
+        if report is None:
+            return {}
+        return {
+            "p2psync/seconds": report.seconds,
+            "p2psync/bytes": float(sum(e.bytes for e in report.engines.values())),
+        }
+
+
+#: slime shares the interface.
+UpdateWeightFromP2PSync = P2PSyncUpdateWeight
