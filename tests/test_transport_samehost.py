@@ -117,3 +117,13 @@ def test_eperm_explains_ptrace():
     message = os.read(read, 4096).decode()
     assert "EPERM" in message and "ptrace_scope" in message and WHO in message, message
     assert target.raw == bytes(8)
+
+
+def test_a_partial_write_is_resumed_up_to_the_bad_range():
+    source, target = torch.arange(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+    batch = WriteBatch()
+    batch.add(source.data_ptr(), target.data_ptr(), 32)
+    batch.add(source.data_ptr() + 32, 4096, 32)  # unmapped: the kernel stops after the first range
+    with pytest.raises(TransferError, match=f"{WHO}: an address is not mapped .*EFAULT"):
+        vm.write(os.getpid(), batch, deadline=time.monotonic() + 5, who=WHO, check=lambda: None)
+    assert torch.equal(target[:32], source[:32]) and not target[32:].any()
