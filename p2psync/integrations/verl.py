@@ -21,8 +21,8 @@ already exposed by a p2psync engine endpoint (the torch, vLLM or sglang adapter)
 in the process that holds them. `receive_weights` waits until the trainer reports
 this engine's update, raises if the engine was left stale, and then yields nothing:
 the bytes are already in place, so verl's server adapter receives an empty stream
-and loads nothing tensor by tensor (for verl's sglang and vLLM adapters an empty
-stream still runs their end-of-update steps). That is the one difference from
+and loads nothing tensor by tensor (verl 0.9.1's sglang adapter then still flushes
+its cache and records global_steps; its vLLM adapter was not checked). That is the one difference from
 verl's contract, where receive_weights yields every (name, tensor).
 
 Which engine a rollout worker stands for: the endpoint `attach()`ed in its process
