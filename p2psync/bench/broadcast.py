@@ -4,8 +4,10 @@ tensors and broadcasts every tensor with torch.distributed to every engine rank.
 The broadcast group is a standalone gloo group of trainer rank 0 (group rank 0) and
 engine `i` (group rank 1 + i), built on the job's rendezvous store; the trainer's
 default process group is left alone. Engines learn the order of tensors from the
-rendezvous, receive each into a fresh tensor and copy it into their parameter
-(what a torch engine's loader does with a full tensor).
+rendezvous, then follow the commands trainer rank 0 broadcasts: receive an update
+(each tensor into a fresh tensor, then copied into its parameter, as a torch
+engine's loader does with a full tensor), zero the parameters (so that a
+verification after the next update proves that update delivered them), or stop.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
     from ..core.source import TrainerSource
 
 ORDER_KEY = "bench/broadcast/order"
+UPDATE, ZERO, STOP = 1, 2, 3
 
 
 def buckets_of(source: TrainerSource, bucket_bytes: int) -> list[list[str]]:
@@ -34,12 +37,13 @@ def buckets_of(source: TrainerSource, bucket_bytes: int) -> list[list[str]]:
     return make_buckets(specs, [ParamGroup((s.name,), (s.name,), s.nbytes) for s in specs], bucket_bytes)
 
 
-def publish_order(rendezvous: Rendezvous, buckets: Sequence[Sequence[str]], rounds: int) -> None:
-    """Tell the engines which tensors come in which bucket, and how many updates."""
-    rendezvous.set(ORDER_KEY, json.dumps({"buckets": buckets, "rounds": rounds}))
+def leader_group(rendezvous: Rendezvous, buckets: Sequence[Sequence[str]], engines: int, timeout: float) -> Any:
+    """On trainer rank 0: publish the order of tensors and join the broadcast group."""
+    rendezvous.set(ORDER_KEY, json.dumps(buckets))
+    return _group(rendezvous, 0, engines, timeout)
 
 
-def group(rendezvous: Rendezvous, rank: int, engines: int, timeout: float) -> Any:
+def _group(rendezvous: Rendezvous, rank: int, engines: int, timeout: float) -> Any:
     """The gloo broadcast group: trainer rank 0 joins as 0, engine i as 1 + i. Blocks until all joined."""
     import torch.distributed as dist
 
@@ -57,11 +61,33 @@ def _broadcast(pg: Any, tensors: Sequence[torch.Tensor]) -> None:
         work.wait()
 
 
+def _command(pg: Any, command: int = 0) -> int:
+    """Trainer rank 0's command, on every member of the group."""
+    import torch
+
+    box = torch.tensor([command])
+    _broadcast(pg, [box])
+    return int(box.item())
+
+
+def zero(pg: Any) -> None:
+    """On trainer rank 0: have every engine zero its parameters; returns once they did."""
+    _command(pg, ZERO)
+    pg.barrier().wait()
+
+
+def stop(pg: Any) -> None:
+    """On trainer rank 0: release the engines from the broadcast loop."""
+    _command(pg, STOP)
+
+
 def send_update(
     source: TrainerSource, buckets: Sequence[Sequence[str]], pg: Any | None, progress: Callable[[], object]
 ) -> None:
     """One update from the trainer side. Every trainer rank gathers (a collective);
     the rank holding `pg` broadcasts. Returns once the engines hold every tensor."""
+    if pg is not None:
+        _command(pg, UPDATE)
     for names in buckets:
         tensors = source.gather(names)
         if pg is not None:
@@ -70,34 +96,6 @@ def send_update(
         progress()
     if pg is not None:
         pg.barrier().wait()
-
-
-def receive_update(pg: Any, params: Mapping[str, torch.Tensor], buckets: Sequence[Sequence[str]]) -> None:
-    """One update on an engine: receive each bucket and copy every tensor into its parameter."""
-    import torch
-
-    for names in buckets:
-        received = [torch.empty_like(params[n]) for n in names]
-        _broadcast(pg, received)
-        for name, tensor in zip(names, received):
-            params[name].copy_(tensor)
-    pg.barrier().wait()
-
-
-def engine_loop(
-    rendezvous: Rendezvous, index: int, engines: int, params: Mapping[str, torch.Tensor], stop: Any, timeout: float
-) -> None:
-    """Engine `index` of `engines`: wait for the trainer's order (or `stop`), zero the
-    parameters so that only a real delivery can restore them, then receive every update."""
-    while not rendezvous.store.check([ORDER_KEY]):
-        if stop.wait(0.2):
-            return
-    order = json.loads(rendezvous.get(ORDER_KEY))
-    for tensor in params.values():
-        tensor.zero_()
-    pg = group(rendezvous, 1 + index, engines, timeout)
-    for _ in range(order["rounds"]):
-        receive_update(pg, params, order["buckets"])
 
 
 def timed_update(
@@ -111,3 +109,34 @@ def timed_update(
     start = time.monotonic()
     send_update(source, buckets, pg, progress)
     return time.monotonic() - start
+
+
+def _receive_update(pg: Any, params: Mapping[str, torch.Tensor], buckets: Sequence[Sequence[str]]) -> None:
+    """One update on an engine: receive each bucket and copy every tensor into its parameter."""
+    import torch
+
+    for names in buckets:
+        received = [torch.empty_like(params[n]) for n in names]
+        _broadcast(pg, received)
+        for name, tensor in zip(names, received):
+            params[name].copy_(tensor)
+    pg.barrier().wait()
+
+
+def engine_loop(
+    rendezvous: Rendezvous, index: int, engines: int, params: Mapping[str, torch.Tensor], done: Any, timeout: float
+) -> None:
+    """Engine `index` of `engines`: wait for the trainer's order of tensors (or for `done`
+    to be set), join the group, and follow trainer rank 0's commands until told to stop."""
+    while not rendezvous.store.check([ORDER_KEY]):
+        if done.wait(0.2):
+            return
+    buckets = json.loads(rendezvous.get(ORDER_KEY))
+    pg = _group(rendezvous, 1 + index, engines, timeout)
+    while (command := _command(pg)) != STOP:
+        if command == UPDATE:
+            _receive_update(pg, params, buckets)
+        elif command == ZERO:
+            for tensor in params.values():
+                tensor.zero_()
+            pg.barrier().wait()

@@ -1,5 +1,5 @@
-"""Runs the bench: the demo's engines and FSDP2 trainer ranks, synced by p2psync and then
-by the broadcast path, each timed over the same number of updates and verified.
+"""Runs the bench: the demo's engines and FSDP2 trainer ranks, synced by p2psync and by
+the broadcast path, interleaved round by round, each timed and verified.
 
 Trainer rank 0 times both ways; the machine's limits are measured first, in a
 process of their own, while nothing else of the bench runs.
@@ -20,9 +20,7 @@ from . import broadcast, limits, verify
 from .report import Way, summary
 
 if TYPE_CHECKING:
-    from ..core.rendezvous import Rendezvous
-    from ..core.session import Session
-    from ..core.source import TrainerSource
+    from ..core.report import UpdateReport
 
 
 @dataclass
@@ -36,56 +34,22 @@ class BenchOptions(DemoOptions):
     job_id: str = field(default_factory=lambda: f"bench-{os.getpid()}-{int(time.time())}")
 
 
+#: Longest a member of the broadcast group waits for the next command (engines wait
+#: through the p2psync updates, gathers and verifications between two of them).
+GROUP_TIMEOUT = 600.0
+
+
 def bench_engine(index: int, opts: BenchOptions, port: int, stop: Any) -> None:
-    """A demo engine that also takes part in the broadcast phase; served until `stop`."""
+    """A demo engine that also takes part in the broadcast path; served until `stop`."""
     _, endpoint = start_engine(index, opts, port)
-    broadcast.engine_loop(endpoint.rendezvous, index, opts.engines, endpoint.params, stop, opts.transfer_timeout)
+    broadcast.engine_loop(endpoint.rendezvous, index, opts.engines, endpoint.params, stop, GROUP_TIMEOUT)
     stop.wait()
     endpoint.close()
 
 
-def _p2p(session: Session, opts: BenchOptions, tick: Callable[[], object]) -> Way:
-    """Time `opts.updates` session updates after `opts.warmup` untimed ones."""
-    import torch.distributed as dist
-
-    seconds = []
-    for i in range(opts.warmup + opts.updates):
-        dist.barrier()
-        report = session.update(f"bench-{i}", progress=lambda done, total: tick())
-        if not report.ok:
-            raise RuntimeError(report.format())
-        if i >= opts.warmup:
-            seconds.append(report.seconds)
-    assert session.plan is not None
-    return Way(
-        seconds,
-        {f"trainer-{rank}": nbytes for rank, nbytes in sorted(session.plan.load.items())},
-        {engine: r.bytes for engine, r in sorted(report.engines.items())},
-    )
-
-
-def _broadcast(
-    source: TrainerSource, rendezvous: Rendezvous, buckets: list[list[str]], opts: BenchOptions,
-    tick: Callable[[], object],
-) -> Way:
-    """Time `opts.updates` broadcast updates after `opts.warmup` untimed ones."""
-    import torch.distributed as dist
-
-    rounds = opts.warmup + opts.updates
-    leader = dist.get_rank() == 0
-    if leader:
-        broadcast.publish_order(rendezvous, buckets, rounds)
-    pg = broadcast.group(rendezvous, 0, opts.engines, opts.transfer_timeout) if leader else None
-    seconds = [broadcast.timed_update(source, buckets, pg, tick) for _ in range(rounds)]
-    model_bytes = sum(s.nbytes for s in source.param_specs())
-    return Way(
-        seconds[opts.warmup :],
-        {f"trainer-{r}": model_bytes * opts.engines if r == 0 else 0 for r in range(opts.trainers)},
-        {f"engine-{i}": model_bytes for i in range(opts.engines)},
-    )
-
-
-def _setup(opts: BenchOptions, specs: list[ParamSpec], transport: dict[str, Any], gathers: list[float]) -> dict[str, Any]:
+def _setup(
+    opts: BenchOptions, specs: list[ParamSpec], transport: dict[str, Any], gathers: list[float]
+) -> dict[str, Any]:
     """What was measured: model, layout, transport, counts, and the gathers' own time."""
     return {
         "model": {
@@ -105,8 +69,10 @@ def _setup(opts: BenchOptions, specs: list[ParamSpec], transport: dict[str, Any]
 
 
 def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> None:
-    """A demo trainer rank that syncs by p2psync, then by broadcast, verifying each, then
-    times the FSDP2 gathers alone (what both ways pay before sending)."""
+    """A demo trainer rank. Each round runs one p2psync update, one broadcast update and
+    the FSDP2 gathers alone (what both ways pay), interleaved so that the machine's load
+    drifts over all three alike. Before the last update of each way the engines zero
+    their parameters, and after it they must hold the trainer's bytes."""
     import torch.distributed as dist
     from tqdm import tqdm
 
@@ -122,29 +88,77 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
     )
     session.connect(engines)
     buckets = broadcast.buckets_of(source, opts.bucket_bytes)
+    pg = broadcast.leader_group(rendezvous, buckets, opts.engines, GROUP_TIMEOUT) if rank == 0 else None
     rounds = opts.warmup + opts.updates
     bar = tqdm(
         total=rounds * (session.bucket_count + 2 * len(buckets)), unit="bucket", disable=rank != 0 or not opts.progress
     )
+    reports: list[UpdateReport] = []
 
-    def check(way: Way) -> Way:
-        way.mismatches = verify.mismatches(
-            source, buckets, rendezvous, engines, is_caller=rank == 0, timeout=opts.transfer_timeout
-        )
-        return way
+    def p2p() -> float:
+        dist.barrier()
+        reports.append(session.update(f"bench-{len(reports)}", progress=lambda done, total: bar.update()))
+        if not reports[-1].ok:
+            raise RuntimeError(reports[-1].format())
+        return reports[-1].seconds
 
-    bar.set_description("p2p")
-    p2p = check(_p2p(session, opts, bar.update))
-    transport = session.transport.describe()
-    session.close()
-    bar.set_description("broadcast")
-    ways = {"p2p": p2p, "broadcast": check(_broadcast(source, rendezvous, buckets, opts, bar.update))}
-    bar.set_description("gathers alone")
-    gathers = [broadcast.timed_update(source, buckets, None, bar.update) for _ in range(rounds)]
+    steps: dict[str, Callable[[], float]] = {
+        "p2p": p2p,
+        "broadcast": lambda: broadcast.timed_update(source, buckets, pg, bar.update),
+        "gathers": lambda: broadcast.timed_update(source, buckets, None, bar.update),
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in steps}
+    wrong: dict[str, list[str]] = {}
+    for i in range(rounds):
+        for name, step in steps.items():
+            bar.set_description(name)
+            last = i == rounds - 1 and name != "gathers"
+            if last and pg is not None:
+                broadcast.zero(pg)
+            seconds[name].append(step())
+            if last:
+                wrong[name] = verify.mismatches(
+                    source, buckets, rendezvous, engines, is_caller=rank == 0, timeout=opts.transfer_timeout
+                )
     bar.close()
+    if pg is not None:
+        broadcast.stop(pg)
+    dist.barrier()  # every trainer rank is done before any tears down
+    transport = session.transport.describe()
+    assert session.plan is not None
+    load = session.plan.load
+    session.close()
     dist.destroy_process_group()
     if rank == 0:
-        results.put({"setup": _setup(opts, source.param_specs(), transport, gathers[opts.warmup :]), "ways": ways})
+        timed = {name: s[opts.warmup :] for name, s in seconds.items()}
+        specs = source.param_specs()
+        ways = _ways(opts, specs, timed, load, reports[-1], wrong)
+        results.put({"setup": _setup(opts, specs, transport, timed["gathers"]), "ways": ways})
+
+
+def _ways(
+    opts: BenchOptions, specs: list[ParamSpec], timed: dict[str, list[float]], load: dict[int, int],
+    last: UpdateReport, wrong: dict[str, list[str]],
+) -> dict[str, Way]:
+    """Both ways' results. p2psync's bytes are what its plan gave each sender and what
+    its last update wrote to each engine; the broadcast sends the whole model from
+    trainer rank 0 to every engine."""
+    model_bytes = sum(s.nbytes for s in specs)
+    engines = [f"engine-{i}" for i in range(opts.engines)]
+    return {
+        "p2p": Way(
+            timed["p2p"],
+            {f"trainer-{r}": nbytes for r, nbytes in sorted(load.items())},
+            {engine: e.bytes for engine, e in sorted(last.engines.items())},
+            wrong["p2p"],
+        ),
+        "broadcast": Way(
+            timed["broadcast"],
+            {f"trainer-{r}": model_bytes * opts.engines if r == 0 else 0 for r in range(opts.trainers)},
+            dict.fromkeys(engines, model_bytes),
+            wrong["broadcast"],
+        ),
+    }
 
 
 def run_bench(opts: BenchOptions) -> dict[str, Any]:
