@@ -1,9 +1,9 @@
-"""A real single-rank sglang server on CPU, updated from a trainer through its own Mooncake endpoint.
+"""A real single-rank sglang server on CPU, updated from a trainer over Mooncake.
 
 The server loads one random model; the trainer holds another. After one update,
 greedy generation through the server's HTTP API equals transformers with the
-trainer's weights, and the server reports the new weight version. p2psync's CPU
-fix reaches every server process through sglang's own plugin entry points.
+trainer's weights, and the server reports the new weight version. p2psync's
+plugin reaches every server process through sglang's own plugin entry points.
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
 from p2psync.adapters.fsdp2 import FSDP2Source  # noqa: E402
 from p2psync.adapters.sglang.server import http, publish_server  # noqa: E402
+from p2psync.adapters.sglang.server_plugin import ENDPOINT_ENV  # noqa: E402
 from p2psync.core.errors import ControlError  # noqa: E402
 from p2psync.core.rendezvous import Rendezvous  # noqa: E402
 from p2psync.core.session import Session  # noqa: E402
@@ -43,14 +45,16 @@ def plugin_dir(root: Path) -> Path:
     return root
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[str]:
+@contextmanager
+def sglang_server(tmp_path: Path, flags: list[str], env: dict[str, str]) -> Iterator[str]:
+    """A real sglang server on CPU holding the seed-1 model, with p2psync's plugin installed; its URL."""
     model = build_model("tiny", seed=1)
     model.config.architectures = ["Qwen3ForCausalLM"]
     model.to(torch.bfloat16).save_pretrained(tmp_path / "model")
     port = free_port()
     env = {
         **os.environ,
+        **env,
         "PYTHONPATH": os.pathsep.join([str(plugin_dir(tmp_path / "plugins")), os.environ.get("PYTHONPATH", "")]),
         "SGLANG_HOST_IP": "127.0.0.1",
         "MOONCAKE_PROTOCOL": "tcp",
@@ -58,9 +62,8 @@ def server(tmp_path: Path) -> Iterator[str]:
     command = [
         sys.executable, "-m", "sglang.launch_server", "--model-path", str(tmp_path / "model"), "--dtype", "bfloat16",
         "--device", "cpu", "--attention-backend", "torch_native", "--skip-tokenizer-init",
-        "--remote-instance-weight-loader-start-seed-via-transfer-engine", "--engine-info-bootstrap-port", str(free_port()),
-        "--mem-fraction-static", "0.2", "--max-total-tokens", "4096", "--context-length", "256",
-        "--host", "127.0.0.1", "--port", str(port),
+        "--engine-info-bootstrap-port", str(free_port()), "--mem-fraction-static", "0.2", "--max-total-tokens", "4096",
+        "--context-length", "256", "--host", "127.0.0.1", "--port", str(port), *flags,
     ]
     log = open(tmp_path / "server.log", "w")
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -89,22 +92,42 @@ def generate(url: str) -> dict:
     return http(url, "/generate", body, timeout=120)
 
 
-@pytest.mark.slow
-def test_update_of_a_real_sglang_server_generates_like_the_trainer(server):
-    trainer = build_model("tiny", seed=2)
+def update_and_check(url: str, trainer: torch.nn.Module, rendezvous: Rendezvous, *, check: bool) -> None:
+    """One update of engine "server" from `trainer`; then the server generates like it, at the new version."""
     expected = greedy(trainer)
-    assert generate(server)["output_ids"] != expected, "pick seeds whose models answer differently"
-
-    config = trainer.config
-    config.architectures = ["Qwen3ForCausalLM"]
-    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="sglang-server", is_server=True)
-    publish_server(server, engine_id="server", rendezvous=rendezvous, hf_config=json.loads(config.to_json_string(use_diff=False)))
-    with Session(source=FSDP2Source(trainer), transport="mooncake", rendezvous=rendezvous, check=False) as session:
+    assert generate(url)["output_ids"] != expected, "pick seeds whose models answer differently"
+    with Session(source=FSDP2Source(trainer), transport="mooncake", rendezvous=rendezvous, check=check) as session:
         session.connect(["server"])
         report = session.update("v2")
-    assert report.ok, report.format()
-    assert report.engines["server"].bytes == sum(p.nbytes for p in session.tables["server"][0].params)
-
-    answer = generate(server)
+        assert report.ok, report.format()
+        assert report.engines["server"].checked == check
+        assert report.engines["server"].bytes == sum(p.nbytes for p in session.tables["server"][0].params)
+    answer = generate(url)
     assert answer["output_ids"] == expected
     assert answer["meta_info"]["weight_version"] == "v2"
+
+
+def trainer_model() -> tuple[torch.nn.Module, dict]:
+    trainer = build_model("tiny", seed=2)
+    trainer.config.architectures = ["Qwen3ForCausalLM"]
+    return trainer, json.loads(trainer.config.to_json_string(use_diff=False))
+
+
+@pytest.mark.slow
+def test_server_with_its_own_transfer_engine_endpoint_is_updated(tmp_path):
+    """Targets and control from the server's own API (`publish_server`, `ServerControl`)."""
+    trainer, hf_config = trainer_model()
+    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="sglang-server", is_server=True)
+    with sglang_server(tmp_path, ["--remote-instance-weight-loader-start-seed-via-transfer-engine"], {}) as url:
+        publish_server(url, engine_id="server", rendezvous=rendezvous, hf_config=hf_config)
+        update_and_check(url, trainer, rendezvous, check=False)
+
+
+@pytest.mark.slow
+def test_server_with_p2psync_endpoint_from_the_plugin_is_updated_and_checked(tmp_path):
+    """The plugin serves p2psync's endpoint in the scheduler and publishes its table; digests are checked."""
+    trainer, _ = trainer_model()
+    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="sglang-plugin", is_server=True)
+    settings = {"rendezvous": f"127.0.0.1:{rendezvous.port}", "job_id": rendezvous.job_id, "engine_id": "server"}
+    with sglang_server(tmp_path, [], {ENDPOINT_ENV: json.dumps(settings)}) as url:
+        update_and_check(url, trainer, rendezvous, check=True)

@@ -63,6 +63,7 @@ class EngineEndpoint:
         hooks: EngineHooks | None = None,
         host: str = "127.0.0.1",
         token: str | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> None:
         for name, tensor in params.items():
             if not tensor.is_contiguous():
@@ -78,6 +79,7 @@ class EngineEndpoint:
         self.hooks = hooks or EngineHooks()
         self.host = host
         self.token = rendezvous.token() if token is None else token
+        self.extra = dict(extra or {})
         self.version: str | None = None
         self.paused = False
         self._lock = threading.Lock()
@@ -110,6 +112,7 @@ class EngineEndpoint:
                 for name, t in self.params.items()
             ),
             job_id=self.rendezvous.job_id,
+            extra=self.extra,
         )
         self.rendezvous.publish(table)
         return table

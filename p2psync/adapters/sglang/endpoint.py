@@ -30,6 +30,7 @@ def serve(
     host: str = "127.0.0.1",
     token: str | None = None,
     transport_options: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> EngineEndpoint:
     """Register the rank's parameters (sglang names, live memory), publish its table, serve control calls.
 
@@ -52,6 +53,7 @@ def serve(
         hooks=hooks,
         host=host,
         token=token,
+        extra=extra,
     )
     endpoint.start()
     return endpoint

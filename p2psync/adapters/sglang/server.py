@@ -18,6 +18,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ...core.endpoint import EndpointControl
 from ...core.engine import EngineControl
 from ...core.errors import ConnectError, ControlError, where
 from ...core.types import Region, TargetParam, TargetTable
@@ -124,3 +125,22 @@ class ServerControl(EngineControl):
 
     def digests(self, rank: int, regions: Mapping[str, Sequence[Region]]) -> dict[str, str]:
         raise ControlError(f"{where(self.engine_id, rank)}: an sglang server reports no digests; connect with check=False")
+
+
+class ServedControl(EndpointControl):
+    """Ranks served by p2psync's endpoint inside an sglang server (the plugin): access and
+    digests through the endpoints, pausing, flushing and the version through the server."""
+
+    def __init__(self, tables: Sequence[TargetTable], *, timeout: float, token: str = "") -> None:
+        super().__init__(tables, timeout=timeout, token=token)
+        self.server = ServerControl(tables[0].extra["server_url"], engine_id=tables[0].engine_id, timeout=timeout)
+
+    def check_access(self) -> None:
+        super().check_access()
+        self.server.check_access()
+
+    def pause(self) -> None:
+        self.server.pause()
+
+    def finish(self, version: str) -> None:
+        self.server.finish(version)

@@ -204,3 +204,18 @@ def patch_server_for_cpu() -> None:
 
     transporter.register_memory_region = utils.register_memory_region_v1
     loader.register_memory_region = utils.register_memory_region_v1
+
+
+def on_model_loaded(callback: Any) -> None:
+    """Call `callback(model, server_args, model_config, tp_rank)` in each sglang scheduler
+    once its (non-draft) model is loaded, through sglang's plugin hook registry."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    def after_load(result: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
+        if not runner.is_draft_worker:
+            from sglang.srt.runtime_context import get_parallel
+
+            callback(runner.model, runner.server_args, runner.model_config, get_parallel().tp_rank)
+        return result
+
+    HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.load_model", after_load, HookType.AFTER)

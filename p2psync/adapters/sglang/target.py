@@ -13,8 +13,9 @@ from ...core.types import ParamSpec, TargetTable
 
 
 class SglangEngineTarget(EngineTarget):
-    """sglang engines: ranks running `p2psync.adapters.sglang.serve`, or a real sglang server
-    whose tables `publish_server` made (controlled through the server's own API).
+    """sglang engines: ranks running `p2psync.adapters.sglang.serve` (standalone, or inside a
+    server through the plugin: then paused and resumed through the server's API), or a
+    real sglang server whose tables `publish_server` made (controlled through its own API).
 
     Option `layout`, else the P2PSYNC_SGLANG_LAYOUT variable (a Session constructs
     targets without options): "copy_map" (default) or "replica" (see SglangLayout).
@@ -38,8 +39,10 @@ class SglangEngineTarget(EngineTarget):
         return SglangLayout(table, sources, mode=self.mode, version=version)
 
     def control(self, tables: Sequence[TargetTable], *, timeout: float, token: str = "") -> EngineControl:
-        from .server import SERVER_CONTROL, ServerControl
+        from .server import SERVER_CONTROL, ServedControl, ServerControl
 
         if tables[0].extra.get("control") == SERVER_CONTROL:
             return ServerControl(tables[0].control_url, engine_id=tables[0].engine_id, timeout=timeout)
+        if "server_url" in tables[0].extra:
+            return ServedControl(tables, timeout=timeout, token=token)
         return EndpointControl(tables, timeout=timeout, token=token)
