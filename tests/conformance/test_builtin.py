@@ -19,7 +19,7 @@ from p2psync.core.plugins import registry
 from p2psync.core.types import TargetParam, TargetTable
 
 #: Transport name -> module that must import for it to run here.
-TRANSPORTS = {"mooncake": "mooncake.engine", "nixl": "nixl_cu12"}
+TRANSPORTS = {"mooncake": "mooncake.engine", "nixl": "nixl_cu12", "samehost": "torch", "torchdist": "torch.distributed"}
 
 
 def need(module: str, what: str) -> None:
@@ -89,7 +89,10 @@ class TestFSDP2ToTorch(RoundTripTests):
         def go():
             result = run(DemoOptions(size="tiny", updates=2, transport=transport, device=device, progress=False,
                                      bucket_bytes=64 << 10, dump_dir=str(tmp_path)))
-            assert all(r.ok for r in result["reports"]), [r.format() for r in result["reports"]]
+            for report, generations in zip(result["reports"], result["generations"]):
+                assert report.ok and all(e.checked and e.bytes > 0 for e in report.engines.values()), report.format()
+                # Greedy generation on each engine equals the trainer's own after every update.
+                assert generations["engine-0"] == generations["engine-1"] == generations["trainer"], generations
             trainer = torch.load(tmp_path / "trainer.pt", map_location="cpu")
             return {
                 e: (trainer, torch.load(tmp_path / f"{e}.pt", map_location="cpu")) for e in ("engine-0", "engine-1")

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...core.errors import TransferError, TransferTimeout
 from ...core.transport import Peer, WriteBatch
-from .memory import AddressMap, scatter
+from ...core.memory import AddressMap, scatter
 
 if TYPE_CHECKING:
     import torch

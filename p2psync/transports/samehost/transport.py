@@ -21,7 +21,7 @@ from ...core.transport import Peer, Transport, WriteBatch
 from ...core.types import TargetTable
 from . import cuda_ipc, vm
 from .host import allow_ptrace_writes, host_identity, start_time
-from .memory import AddressMap, device_of
+from ...core.memory import AddressMap, device_of
 
 if TYPE_CHECKING:
     import torch

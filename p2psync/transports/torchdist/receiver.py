@@ -18,7 +18,7 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from ..samehost.memory import AddressMap, scatter
+from ...core.memory import AddressMap, scatter
 from .pair import ENGINE, TAG, TRAINER, Pair, channel_key
 
 if TYPE_CHECKING:

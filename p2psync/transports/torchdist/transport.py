@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ...core.errors import TransferError, TransferTimeout, where
 from ...core.transport import Peer, Transport, WriteBatch
 from ...core.types import TargetTable
-from ..samehost.memory import AddressMap, device_of
+from ...core.memory import AddressMap, device_of
 from .pair import ENGINE, TAG, TRAINER, Pair, channel_key
 from .receiver import Receiver
 
