@@ -37,6 +37,18 @@ def buckets_of(source: TrainerSource, bucket_bytes: int) -> list[list[str]]:
     return make_buckets(specs, [ParamGroup((s.name,), (s.name,), s.nbytes) for s in specs], bucket_bytes)
 
 
+def sends_per_member(size: int) -> list[int]:
+    """How many copies of the payload each group rank sends in gloo's broadcast from rank 0
+    (a binomial tree: with more than two receivers, some receivers relay)."""
+    dim = (size - 1).bit_length()
+    sends = [0] * size
+    for rank in range(size):
+        for i in range(dim):
+            if rank < (1 << i) and rank + (1 << i) < size:  # step i: ranks below 2**i send to rank + 2**i
+                sends[rank] += 1
+    return sends
+
+
 def leader_group(rendezvous: Rendezvous, buckets: Sequence[Sequence[str]], engines: int, timeout: float) -> Any:
     """On trainer rank 0: publish the order of tensors and join the broadcast group."""
     rendezvous.set(ORDER_KEY, json.dumps(buckets))

@@ -141,10 +141,13 @@ def _ways(
     last: UpdateReport, wrong: dict[str, list[str]],
 ) -> dict[str, Way]:
     """Both ways' results. p2psync's bytes are what its plan gave each sender and what
-    its last update wrote to each engine; the broadcast sends the whole model from
-    trainer rank 0 to every engine."""
+    its last update wrote to each engine; the broadcast delivers the whole model to
+    every engine, sent by trainer rank 0 and, past two engines, relayed by some engines."""
     model_bytes = sum(s.nbytes for s in specs)
     engines = [f"engine-{i}" for i in range(opts.engines)]
+    sends = broadcast.sends_per_member(1 + opts.engines)
+    broadcast_senders = {f"trainer-{r}": sends[0] * model_bytes if r == 0 else 0 for r in range(opts.trainers)}
+    broadcast_senders.update({f"{e} (relay)": n * model_bytes for e, n in zip(engines, sends[1:]) if n})
     return {
         "p2p": Way(
             timed["p2p"],
@@ -154,7 +157,7 @@ def _ways(
         ),
         "broadcast": Way(
             timed["broadcast"],
-            {f"trainer-{r}": model_bytes * opts.engines if r == 0 else 0 for r in range(opts.trainers)},
+            broadcast_senders,
             dict.fromkeys(engines, model_bytes),
             wrong["broadcast"],
         ),
