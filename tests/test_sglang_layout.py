@@ -103,3 +103,11 @@ def test_connect_rejects_a_parameter_no_trainer_tensor_feeds():
     del sources["model.norm.weight"]
     with pytest.raises(ConnectError, match="parameter 'model.norm.weight': no HF tensor of the trainer is loaded into it"):
         SglangLayout(table, sources, mode="copy_map", version=require_sglang())
+
+
+def test_connect_names_the_hf_tensor_sglangs_loader_refuses():
+    table, sources = table_with("qwen3")
+    name = "model.layers.1.mlp.up_proj.weight"
+    sources[name] = dataclasses.replace(sources[name], shape=(96, 65))
+    with pytest.raises(ConnectError, match=f"engine 'engine-0' rank 1: sglang's loader refuses HF tensor '{name}' \\[96, 65\\]"):
+        SglangLayout(table, sources, mode="copy_map", version=require_sglang())

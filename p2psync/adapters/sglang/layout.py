@@ -70,7 +70,7 @@ class SglangLayout(Layout):
         rank_model = build_rank_model(rank_spec(table, version), "meta")
         params = dict(rank_model.model.named_parameters())
         self._check_params(params)
-        writes = trace_writes(rank_model.load, params, list(sources.values()))
+        writes = self._trace(rank_model, params, sources)
         unwritten = [name for name in params if name not in writes]
         if unwritten:
             raise ConnectError(
@@ -109,6 +109,24 @@ class SglangLayout(Layout):
         return plan.regions
 
     # -- compile ---------------------------------------------------------------------------
+
+    def _trace(self, rank_model: RankModel, params: Mapping[str, torch.Tensor], sources: Mapping[str, ParamSpec]) -> dict[str, set[str]]:
+        """Which HF tensors feed which parameter; a ConnectError naming the HF tensor sglang's loader refuses."""
+        try:
+            return trace_writes(rank_model.load, params, list(sources.values()))
+        except Exception as exc:  # sglang's loaders raise anything (asserts, shape errors) on a bad tensor
+            for spec in sources.values():
+                try:
+                    trace_writes(rank_model.load, params, [spec])
+                except Exception as one:
+                    exc = one
+                    culprit = f"HF tensor {spec.name!r} {list(spec.shape)} {spec.dtype}"
+                    break
+            else:
+                culprit = "the trainer's HF tensors"
+            raise ConnectError(
+                f"{where(self.table.engine_id, self.table.rank)}: sglang's loader refuses {culprit}: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def _check_params(self, params: Mapping[str, torch.Tensor]) -> None:
         """The table must list exactly the parameters of the rebuilt rank model."""

@@ -1,0 +1,51 @@
+"""The sglang engine target through the conformance suite: TP rank 1 of 2 (vocabulary padding), both layouts."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("sglang", reason="sglang (p2psync[sglang], sglang==0.5.23) is not installed; run `tox -e sglang`")
+pytest.importorskip("transformers", reason="transformers is not installed")
+
+import json  # noqa: E402
+
+import torch  # noqa: E402
+
+from p2psync.conformance import EngineCase, EngineTargetTests  # noqa: E402
+from p2psync.core.types import TargetParam, TargetTable  # noqa: E402
+
+TP, RANK = 2, 1
+
+
+@pytest.mark.parametrize("mode", ["copy_map", "replica"])
+class TestSglangEngine(EngineTargetTests):
+    conformance = {"engine": "sglang"}
+
+    @pytest.fixture
+    def engine_case(self, mode):
+        import transformers
+
+        from p2psync.adapters.sglang.key import layout_key
+        from p2psync.adapters.sglang.shim import RankSpec, build_rank_model, hf_config_dict, require_sglang
+        from p2psync.core.plugins import registry
+
+        config = transformers.Qwen3Config(
+            vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"],
+        )
+        torch.manual_seed(0)
+        sources = {n: t.normal_() for n, t in transformers.Qwen3ForCausalLM(config).state_dict().items()}
+        engine = build_rank_model(RankSpec(json.loads(config.to_json_string(use_diff=False)), TP, 1, "bfloat16", RANK), "cpu")
+        engine.load(list(sources.items()))  # the engine's own loader on that rank
+        key = layout_key(engine.server_args, hf_config_dict(engine.model_config), str(engine.model_config.dtype), require_sglang())
+        table = TargetTable(
+            engine_id="e", rank=RANK, world_size=TP, engine="sglang", layout_key=key, transport="mooncake",
+            transport_info={}, control_url="", job_id="j",
+            params=tuple(
+                TargetParam(n, tuple(p.shape), "bfloat16", p.data_ptr(), p.numel() * p.element_size())
+                for n, p in engine.model.named_parameters()
+            ),
+        )
+        target = registry().engine_target("sglang")(layout=mode)
+        expected = {n: p.data for n, p in engine.model.named_parameters()}
+        return EngineCase(table=table, sources=sources, expected=expected, layout=target.layout)
