@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 
-def _timed(fn: Callable[[], None], repeats: int) -> float:
+def _timed(fn: Callable[[], object], repeats: int) -> float:
     """Median seconds of `fn` over `repeats` calls, after one untimed call."""
     fn()
     times = []
