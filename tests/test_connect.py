@@ -215,3 +215,24 @@ def test_an_engine_registers_exactly_its_parameter_memory():
         assert sorted((p.addr, p.nbytes) for p in published.params) == expected
     finally:
         endpoint.close()
+
+
+def test_engine_options_reach_the_engine_target():
+    from p2psync.core.plugins import Registry
+
+    seen = {}
+
+    class Recording(TorchEngineTarget):
+        def __init__(self, **options):
+            seen.update(options)
+            super().__init__(**options)
+
+    registry = Registry()
+    registry.add("engine_targets", Recording, "test", "0")
+    registry.add("transports", MooncakeTransport, "p2psync", "0")
+    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="opts", is_server=True, timeout=2)
+    rendezvous.publish(fake_table(rendezvous, job_id="opts"))
+    with session_for(rendezvous, registry=registry, engine_options={"torch": {"layout": "replica"}}) as session:
+        with pytest.raises(ConnectError, match="engine 'x' rank 0: info at"):  # the fake engine is not reachable
+            session.connect(["x"])
+    assert seen == {"layout": "replica"}

@@ -69,7 +69,9 @@ class Session:
     Transport instance or a registered name; `bucket_bytes` bounds what is gathered
     at once; `transfer_timeout` bounds every write and control call; `check`
     compares a digest of every parameter each engine holds with what was sent;
-    `token` is the job's secret that engines check (default: the rendezvous's).
+    `token` is the job's secret that engines check (default: the rendezvous's);
+    `engine_options` are keyword options per engine kind, e.g.
+    `{"vllm": {"layout": "replica"}}`.
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class Session:
         registry: Registry | None = None,
         buffer_device: str = "cpu",
         pin_memory: bool = False,
+        engine_options: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -102,6 +105,7 @@ class Session:
         self.token = rendezvous.token() if token is None else token
         self.buffer_device = buffer_device
         self.pin_memory = pin_memory
+        self.engine_options = {kind: dict(opts) for kind, opts in (engine_options or {}).items()}
         self.rank = collectives.world_rank()
         self.group = source.sender_group()
         self.plan: Plan | None = None
@@ -244,7 +248,9 @@ class Session:
             return cached[1]
         if table.engine not in self._targets:
             try:
-                self._targets[table.engine] = self.registry.engine_target(table.engine)()
+                self._targets[table.engine] = self.registry.engine_target(table.engine)(
+                    **self.engine_options.get(table.engine, {})
+                )
             except P2PSyncError as exc:
                 raise ConnectError(f"{where(table.engine_id, table.rank)}: {exc}") from exc
         layout = self._targets[table.engine].layout(table, specs)
