@@ -1,0 +1,14 @@
+"""Registers the Megatron-Core and Megatron-Bridge trainer sources (megatron imported lazily)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ...core.hookspecs import hookimpl
+
+
+@hookimpl
+def p2psync_register_trainer_sources(register: Callable[[type], None]) -> None:
+    from .source import MegatronSource
+
+    register(MegatronSource)

@@ -1,0 +1,256 @@
+"""Tiny Megatron-Core GPT models on CPU (gloo) whose weights are a transformers model's.
+
+The HF model is built from a seed in every process; its tensors are written into
+the Megatron shards of this rank by hand (the inverse of what the source does), so
+that the source's output can be compared with the HF state dict bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+HF_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen2": dict(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    ),
+    "qwen3": dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+    ),
+    "qwen3_moe": dict(
+        vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One parallel layout of one architecture."""
+
+    arch: str
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+
+    @property
+    def id(self) -> str:
+        return f"{self.arch}-tp{self.tp}-pp{self.pp}-ep{self.ep}-etp{self.etp}"
+
+
+def hf_model(arch: str, seed: int) -> Any:
+    """A randomly initialized transformers causal LM of `arch` (no download)."""
+    import transformers
+
+    cls = {"qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}[arch]
+    torch.manual_seed(seed)
+    config = getattr(transformers, f"{cls}Config")(**HF_CONFIGS[arch], max_position_embeddings=256,
+                                                    initializer_range=0.05)
+    config._attn_implementation = "eager"
+    model = getattr(transformers, f"{cls}ForCausalLM")(config).eval()
+    with torch.no_grad():  # norms start at exactly 1: make them tell layers apart
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def checkpoint(model: Any) -> dict[str, torch.Tensor]:
+    """The model's tensors as its HF checkpoint names them (transformers 5 fuses experts in
+    memory; `save_pretrained` writes one tensor per expert)."""
+    import glob
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        for f in sorted(glob.glob(f"{d}/*.safetensors")):
+            out.update(load_file(f))
+    return out
+
+
+def init_world(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def megatron_model(case: Case) -> Any:
+    """This rank's GPTModel of `case` (model parallel state initialized here)."""
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(case.tp, case.pp, expert_model_parallel_size=case.ep,
+                                 expert_tensor_parallel_size=case.etp)
+    hf = HF_CONFIGS[case.arch]
+    moe = case.arch == "qwen3_moe"
+    config = TransformerConfig(
+        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+        num_attention_heads=hf["num_attention_heads"], num_query_groups=hf["num_key_value_heads"],
+        kv_channels=hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"]),
+        ffn_hidden_size=hf["intermediate_size"], gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=case.arch == "qwen2", normalization="RMSNorm",
+        qk_layernorm=case.arch != "qwen2", tensor_model_parallel_size=case.tp,
+        pipeline_model_parallel_size=case.pp, expert_model_parallel_size=case.ep,
+        expert_tensor_parallel_size=case.etp, sequence_parallel=False, use_cpu_initialization=True,
+        perform_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+        pipeline_dtype=torch.float32, bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        **(dict(num_moe_experts=hf["num_experts"], moe_ffn_hidden_size=hf["moe_intermediate_size"],
+                moe_router_topk=hf["num_experts_per_tok"], moe_token_dispatcher_type="allgather",
+                moe_grouped_gemm=False) if moe else {}),
+    )
+    spec = get_gpt_layer_local_spec(hf["num_experts"] if moe else None, qk_layernorm=case.arch != "qwen2",
+                                    normalization="RMSNorm")
+    return GPTModel(
+        config, spec, vocab_size=hf["vocab_size"], max_sequence_length=256,
+        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False, position_embedding_type="rope",
+    )
+
+
+def load_hf(model: Any, hf: dict[str, torch.Tensor], arch: str) -> None:
+    """Write HF tensors into this rank's Megatron shards (the inverse of the source)."""
+    from megatron.core import parallel_state as ps
+
+    from p2psync.adapters.megatron.names import Split, canonical, table
+
+    rules = table(arch)
+    config = model.config
+    local_experts = (config.num_moe_experts or 0) // ps.get_expert_model_parallel_world_size()
+    for name, param in model.named_parameters():
+        canon = canonical(name)
+        rule = rules[canon.name]
+        layer = model.decoder.layers[canon.layer].layer_number - 1 if canon.layer is not None else None
+        expert = None
+        if canon.expert is not None:
+            expert = ps.get_expert_model_parallel_rank() * local_experts + canon.expert
+            rank, size = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+        else:
+            rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        parts = [hf[t.format(layer=layer, expert=expert)] for t in rule.hf]
+        if not getattr(param, "tensor_model_parallel", False):
+            rank, size = 0, 1
+        dim = getattr(param, "partition_dim", 0)
+        if rule.split is Split.GATE_UP:  # stride 2: each shard is [gate_r; up_r]
+            shard = torch.cat([p.chunk(size, 0)[rank] for p in parts], 0)
+        elif rule.split is Split.QKV:
+            groups, head_dim = config.num_query_groups, config.kv_channels
+            q, k, v = (p.reshape(groups, -1, head_dim, *p.shape[1:]) for p in parts)
+            full = torch.cat([q, k, v], 1).reshape(-1, *parts[0].shape[1:])
+            shard = full.chunk(size, 0)[rank]
+        else:
+            shard = parts[0].chunk(size, dim)[rank]
+        with torch.no_grad():
+            param.copy_(shard)
+
+
+def check_source(case: Case, hf: dict[str, torch.Tensor]) -> list[str]:
+    """Build `case` on this rank and compare what the source yields with the HF checkpoint tensors `hf`."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from p2psync.adapters.megatron import MegatronSource
+
+    model = megatron_model(case)
+    load_hf(model, hf, case.arch)
+    source = MegatronSource(model, case.arch)
+    errors = []
+    specs = source.param_specs()
+    for spec in specs:
+        want = hf.get(spec.name)
+        if want is None or spec.shape != tuple(want.shape) or spec.dtype != str(want.dtype).removeprefix("torch."):
+            errors.append(f"spec {spec} does not match the HF tensor")
+    names = [s.name for s in specs]
+    for i in range(0, len(names), 5):  # bucket-sized pieces: q/k/v and gate/up get split apart
+        for name, tensor in source.gather(names[i : i + 5]).items():
+            if not torch.equal(tensor, hf[name]):
+                errors.append(f"{name}: gathered tensor differs from the HF tensor")
+    stages = [None] * dist.get_world_size()
+    dist.all_gather_object(stages, (ps.get_pipeline_model_parallel_rank(), names))
+    if set().union(*(set(n) for _, n in stages)) != set(hf):
+        errors.append("the stages together do not yield every HF tensor")
+    group = source.sender_group()
+    stage = ps.get_pipeline_model_parallel_rank()
+    if group.group_id != f"pp{stage}" or group.ranks != tuple(r for r, (s, _) in enumerate(stages) if s == stage):
+        errors.append(f"sender group {group} is not the ranks of stage {stage}")
+    return [f"rank {dist.get_rank()}: {e}" for e in errors]
+
+
+def source_worker(rank: int, world: int, port: int, cases: list[Case], results: Any) -> None:
+    """Run every case in one gloo world; rank 0 reports each case's errors."""
+    import torch.distributed as dist
+
+    # transformers saves differently once torch.distributed is up: save before joining the world
+    tensors = {arch: checkpoint(hf_model(arch, seed=7)) for arch in {c.arch for c in cases}}
+    init_world(rank, world, port)
+    outcome = {}
+    for case in cases:
+        try:
+            errors = check_source(case, tensors[case.arch])
+        except Exception as exc:  # reported per case, the world goes on to the next
+            errors = [f"rank {rank}: {type(exc).__name__}: {exc}"]
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, errors)
+        outcome[case.id] = [e for es in everyone for e in es]
+    if rank == 0:
+        results.put(outcome)
+    dist.destroy_process_group()
+
+
+def perturb(model: Any, seed: int) -> None:
+    """Stand in for a training step: change every weight."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.01)
+
+
+def e2e_trainer(rank: int, opts: Any, port: int, results: Any) -> None:
+    """A Megatron TP=`opts.trainers` trainer rank for `p2psync.demo.launch`: load the demo's
+    Qwen3 weights, then perturb and sync twice; rank 0 dumps the HF tensors it last sent."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from p2psync.adapters.megatron import MegatronSource
+    from p2psync.core.rendezvous import Rendezvous
+    from p2psync.core.session import Session
+
+    hf = checkpoint(hf_model("qwen3", seed=0))
+    torch.set_num_threads(1)
+    rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id=opts.job_id)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"gloo/{opts.job_id}", rendezvous._root),
+                            rank=rank, world_size=opts.trainers)
+    model = megatron_model(Case("qwen3", tp=opts.trainers))
+    load_hf(model, hf, "qwen3")
+    source = MegatronSource(model, "qwen3")
+    session = Session(source=source, transport=opts.transport, rendezvous=rendezvous,
+                      bucket_bytes=opts.bucket_bytes, transfer_timeout=opts.transfer_timeout, check=opts.check)
+    session.connect([f"engine-{i}" for i in range(opts.engines)])
+    reports = []
+    for step in range(opts.updates):
+        perturb(model, seed=100 * step + rank)
+        reports.append(session.update(f"step-{step + 1}"))
+    full = {n: t.clone() for n, t in source.gather([s.name for s in source.param_specs()]).items()}
+    if rank == 0:
+        torch.save(full, Path(opts.dump_dir) / "trainer.pt")
+    session.close()
+    dist.destroy_process_group()
+    if rank == 0:
+        results.put({"reports": reports})
