@@ -45,7 +45,7 @@ class _Flow(TorchDispatchMode):
         came_from = set().union(*(self.sources.get(_key(t), ()) for t in flat_in))
         if not came_from:
             return out
-        written = [t for t in _mutated(func, args, kwargs)] + [
+        written = _mutated(func, args, kwargs) + [
             t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
         ]
         for t in written:

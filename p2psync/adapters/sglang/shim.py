@@ -143,7 +143,7 @@ def build_rank_model(spec: RankSpec, device: str) -> RankModel:
     from sglang.srt.distributed import parallel_state
     from sglang.srt.model_loader.loader import _initialize_model
     from sglang.srt.model_loader.utils import set_default_torch_dtype
-    from sglang.srt.runtime_context import SpawnRanks, create_context
+    from sglang.srt.runtime_context import SpawnRanks, create_context, use_context
 
     if not dist.is_initialized():  # sglang asserts a default group; a private world of one does
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -151,14 +151,12 @@ def build_rank_model(spec: RankSpec, device: str) -> RankModel:
         (Path(model_path) / "config.json").write_text(json.dumps(spec.hf_config))
         args = server_args(model_path, spec)
         context = create_context(args, role="scheduler", ranks=SpawnRanks(world_rank=spec.rank))
-        rank_model = RankModel(None, context, args, None)  # type: ignore[arg-type]
-        with rank_model.active():
+        with use_context(context):
             _init_groups(parallel_state, spec)
             model_config = ModelConfig.from_server_args(args)
             with set_default_torch_dtype(model_config.dtype), torch.device(device):
                 model = _initialize_model(model_config, LoadConfig(), None)
-    rank_model.model, rank_model.model_config = model.eval(), model_config
-    return rank_model
+    return RankModel(model.eval(), context, args, model_config)
 
 
 _GROUP_GLOBALS = (
