@@ -167,13 +167,11 @@ def _boxes(
     s = torch.stack(strides, 1) if inner else base.new_zeros(n, 0)
     grid = torch.stack(torch.meshgrid(*[torch.arange(d) for d in inner], indexing="ij"), -1).reshape(-1, len(inner)) if inner else base.new_zeros(1, 0)
     predicted = base[:, None] + s @ grid.T
-    source = torch.searchsorted(starts, rows, right=True)
-    affine = (
-        (rows == predicted).all(1) & (rows >= 0).all(1) & (s >= 0).all(1)
-        & (source.min(1).values == source.max(1).values)
-    )
-    empty = (rows < 0).all(1)
-    affine_l, empty_l, base_l, src_l = affine.tolist(), empty.tolist(), base.tolist(), source[:, 0].tolist()
+    low, high = rows.min(1).values, rows.max(1).values
+    source = torch.searchsorted(starts, low, right=True)
+    affine = (rows == predicted).all(1) & (low >= 0) & (s >= 0).all(1) & (source == torch.searchsorted(starts, high, right=True))
+    empty = high < 0
+    affine_l, empty_l, base_l, src_l = affine.tolist(), empty.tolist(), base.tolist(), source.tolist()
     s_l = [tuple(x) for x in s.tolist()]
     r = 0
     while r < n:
