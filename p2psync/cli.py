@@ -1,4 +1,4 @@
-"""The `p2psync` command: `plugins`, `demo`, `bench`."""
+"""The `p2psync` command: `plugins`, `demo`, `bench`, `plan`."""
 
 from __future__ import annotations
 
@@ -97,6 +97,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--raw-mib", type=int, default=512, help="size of the memcpy and raw transport measurements")
     bench.add_argument("--json", action="store_true", help="print the result as JSON")
     bench.set_defaults(func=_bench)
+    from .planner.command import add_arguments as _plan_arguments, run as _plan
+
+    plan = sub.add_parser("plan", help="the real plan at cluster scale from per-rank shapes; predicted update times")
+    _plan_arguments(plan)
+    plan.set_defaults(func=_plan)
     args = parser.parse_args(argv)
     return args.func(args)
 

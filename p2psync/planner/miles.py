@@ -1,0 +1,80 @@
+"""The miles table (anchors.md) with the plan's link model: broadcast vs P2P from 1 to 32 nodes.
+
+Predictions, not measurements. The published times include what the link model
+leaves out (trainer gathers, miles' CPU replica load, engine pause/resume), so
+the comparison is of the trend: broadcast's disadvantage grows with scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from .cluster import Cluster
+from .presets import preset
+
+# model, trainer (TP, PP, CP, EP), nodes (each side), engine (TP, EP), engine dtype, published (broadcast, P2P) s
+MILES = [
+    ("Qwen3-30B-A3B", (4, 1, 1, 8), 2, (8, 8), "bf16", (2.7, 2.2)),
+    ("GLM-4.5-Air", (1, 4, 1, 8), 4, (8, 8), "bf16", (5.0, 2.6)),
+    ("Qwen3-235B-A22B", (4, 4, 2, 16), 8, (32, 32), "bf16", (10.8, 3.2)),
+    ("Kimi-K2", (8, 8, 4, 32), 32, (32, 32), "fp8", (53.3, 7.2)),
+]
+NOT_MODELED = [
+    ("GLM-4.7-Flash 30B", 1, (2.5, 4.2), "no public shapes in anchors.md"),
+    ("GLM-5 744B", 16, (58.3, 8.5), "no public shapes in anchors.md"),
+]
+PERPLEXITY_KIMI_S = 1.3
+
+
+def compare(shapes: str = "auto", nic_gbps: float = 400.0, latency_us: float = 5.0, broadcast: str = "ring") -> list[dict[str, Any]]:
+    from .command import plan_dict
+
+    rows = []
+    for model, (tp, pp, cp, ep), nodes, (etp, eep), dtype, (pub_b, pub_p) in MILES:
+        cluster = Cluster(
+            train_ranks=nodes * 8, train_tp=tp, train_pp=pp, train_ep=ep, engines=nodes * 8 // etp, engine_tp=etp,
+            engine_ep=eep, engine_dtype=dtype, nic_gbps=nic_gbps, latency_us=latency_us,
+        )
+        d = plan_dict(preset(model), model, cluster, shapes if dtype == "bf16" else "analytic", broadcast)
+        rows.append({
+            "model": model, "nodes": nodes, "trainer": f"TP{tp} PP{pp} CP{cp} EP{ep}",
+            "engines": f"{cluster.engines} x TP{etp} EP{eep} {dtype}", "shapes": d["shapes"],
+            "predicted_broadcast_s": d["broadcast"]["predicted_s"], "predicted_p2p_s": d["p2p"]["predicted_s"],
+            "predicted_ratio": d["broadcast_over_p2p"], "published_broadcast_s": pub_b, "published_p2p_s": pub_p,
+            "published_ratio": pub_b / pub_p, "plan_build_s": d["plan_build_s"],
+        })
+    return rows
+
+
+def format_compare(rows: list[dict[str, Any]], args: argparse.Namespace | None = None) -> str:
+    gbps = getattr(args, "nic_gbps", 400.0)
+    bmodel = getattr(args, "broadcast", "ring")
+    lines = [
+        f"miles table vs p2psync plan's link model ({gbps:g} Gb/s x 8 NICs per node, broadcast {bmodel}); "
+        "predicted = PREDICTION from the link model, published = miles' measurement (H100)",
+        "",
+        "| model | nodes | trainer | engines | predicted broadcast s | predicted P2P s | predicted ratio "
+        "| published broadcast s | published P2P s | published ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['nodes']} | {r['trainer']} | {r['engines']} | {r['predicted_broadcast_s']:.2f} "
+            f"| {r['predicted_p2p_s']:.3f} | {r['predicted_ratio']:.1f}x | {r['published_broadcast_s']} "
+            f"| {r['published_p2p_s']} | {r['published_ratio']:.1f}x |"
+        )
+    for model, nodes, (b, p), why in NOT_MODELED:
+        lines.append(f"| {model} | {nodes} | | | not modeled ({why}) | | | {b} | {p} | {b / p:.1f}x |")
+    kimi = next(r for r in rows if r["model"] == "Kimi-K2")
+    lines += [
+        "",
+        f"Kimi-K2 (miles setup, 256 -> 8 x TP32 EP32 fp8): PREDICTED P2P {kimi['predicted_p2p_s']:.2f} s, "
+        f"broadcast {kimi['predicted_broadcast_s']:.1f} s; published: miles P2P {kimi['published_p2p_s']} s "
+        f"(broadcast {kimi['published_broadcast_s']} s), Perplexity {PERPLEXITY_KIMI_S} s (256 bf16 training GPUs -> "
+        "128 fp8 inference GPUs, another setup).",
+        "Shapes per row: " + "; ".join(f"{r['model']}: {r['shapes']}" for r in rows),
+        "Not in the link model (present in the published times): trainer gathers, layout/replica work "
+        "(miles' CPU replica load), engine pause/resume/post-processing.",
+    ]
+    return "\n".join(lines)
