@@ -245,7 +245,7 @@ def e2e_trainer(rank: int, opts: Any, port: int, results: Any) -> None:
     session.connect([f"engine-{i}" for i in range(opts.engines)])
     reports = []
     for step in range(opts.updates):
-        perturb(model, seed=100 * step + rank)
+        perturb(model, seed=step)  # the same on every rank: replicated tensors stay equal, as in training
         reports.append(session.update(f"step-{step + 1}"))
     full = {n: t.clone() for n, t in source.gather([s.name for s in source.param_specs()]).items()}
     if rank == 0:

@@ -9,6 +9,8 @@ from ...core.hookspecs import hookimpl
 
 @hookimpl
 def p2psync_register_trainer_sources(register: Callable[[type], None]) -> None:
+    from .bridge import BridgeSource
     from .source import MegatronSource
 
     register(MegatronSource)
+    register(BridgeSource)
