@@ -17,7 +17,7 @@ from ...core.layout import Layout, ParamGroup
 from ...core.types import ParamSpec, Region, TargetParam, TargetTable, numel
 from . import shim
 from .copymap import Block, compile_blocks, replay, written_runs
-from .model import RankModel, groups_of
+from .model import LoaderRefused, RankModel, groups_of
 from .probe import probe
 
 if TYPE_CHECKING:
@@ -61,7 +61,10 @@ class VllmLayout(Layout):
         self.model = RankModel(_vllm_config(table), table.rank)
         held = _check_params(table, self.model)
         specs = list(sources.values())
-        feeds = self.model.feeds(specs)
+        try:
+            feeds = self.model.feeds(specs)
+        except LoaderRefused as exc:
+            raise ConnectError(f"{where(table.engine_id, table.rank)}: {exc}") from exc
         missing = sorted(set(held) - {p for outs in feeds.values() for p in outs})
         if missing:
             raise ConnectError(

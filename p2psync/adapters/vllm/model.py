@@ -84,10 +84,17 @@ class RankModel:
                     yield spec.name, torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device="meta")
 
             self.load(meta_inputs())
+        except Exception as exc:  # vLLM's loaders assert shapes: say which HF tensor they refused
+            shape = next((list(s.shape) for s in specs if s.name == current[0]), None)
+            raise LoaderRefused(f"vLLM's loader refuses HF tensor {current[0]!r} of shape {shape}: {exc}") from exc
         finally:
             for name, p in self.params.items():
                 p.__dict__ = saved[name]
         return dict(feeds)
+
+
+class LoaderRefused(ValueError):
+    """vLLM's own loader would not take the trainer's HF tensors (a shape or name it does not expect)."""
 
 
 def groups_of(

@@ -1,0 +1,65 @@
+"""The vLLM engine adapter through the conformance suite (environment `conformance-vllm`).
+
+Every model and TP size is covered bit for bit in tests/test_vllm_layouts.py; here a
+dense and an MoE/MLA case stand for the adapter in the matrix, with both layouts.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM (p2psync[vllm], vllm==0.33.0) is not installed; run `tox -e conformance-vllm`")
+pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is not installed")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the vLLM test helpers
+
+import torch  # noqa: E402
+from vllm_e2e import VllmE2EOptions, engine_config, engine_rank_main, trainer_main  # noqa: E402
+from vllm_helpers import checkpoint, engine_rank, vllm_loaded  # noqa: E402
+
+from p2psync.adapters.vllm.target import VllmEngineTarget  # noqa: E402
+from p2psync.conformance import EngineCase, EngineTargetTests, RoundTripTests  # noqa: E402
+from p2psync.demo import launch  # noqa: E402
+
+CASES = [("qwen3", 2, "copy_map"), ("deepseek_v3", 2, "copy_map"), ("deepseek_v3", 2, "replica")]
+
+
+@pytest.mark.parametrize(("kind", "tp", "layout"), CASES, ids=[f"{k}-tp{t}-{l}" for k, t, l in CASES])
+class TestVllmEngine(EngineTargetTests):
+    conformance = {"engine": "vllm"}
+
+    @pytest.fixture
+    def engine_case(self, kind, tp, layout):
+        tensors = checkpoint(kind)
+        expected, table = engine_rank(kind, tp, tp - 1, tensors)
+        return EngineCase(table, dict(tensors), expected, VllmEngineTarget(layout=layout).layout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["mooncake"])
+class TestFSDP2ToVllm(RoundTripTests):
+    conformance = {"trainer": "fsdp2", "engine": "vllm"}
+
+    @pytest.fixture
+    def round_trip(self, transport, tmp_path):
+        def go():
+            opts = VllmE2EOptions(
+                size="tiny", trainers=2, engines=4, tp=2, updates=2, transport=transport,
+                bucket_bytes=64 << 10, progress=False, dump_dir=str(tmp_path),
+            )
+            result = launch(opts, engine_rank_main, trainer_main)
+            assert all(r.ok for r in result["reports"]), [r.format() for r in result["reports"]]
+            trainer = torch.load(tmp_path / "trainer.pt")
+            config = engine_config(opts)
+            out = {}
+            for rank in range(opts.tp):
+                expected = {n: p.data for n, p in vllm_loaded(config, rank, trainer).named_parameters()}
+                for engine in ("engine-0", "engine-1"):
+                    held = torch.load(tmp_path / f"{engine}-rank{rank}.pt")["params"]
+                    out[f"{engine}[{rank}]"] = (expected, held)
+            return out
+
+        return go
