@@ -32,7 +32,9 @@ class Cluster:
         if self.train_ranks % self.train_pp:
             raise ValueError(f"train ranks {self.train_ranks} do not divide into {self.train_pp} pipeline stages")
         if self.train_ranks % (self.train_tp * self.train_pp):
-            raise ValueError(f"train ranks {self.train_ranks} are not a multiple of TP x PP = {self.train_tp * self.train_pp}")
+            raise ValueError(
+                f"train ranks {self.train_ranks} are not a multiple of TP x PP = {self.train_tp * self.train_pp}"
+            )
         if self.engine_tp % self.engine_ep:
             raise ValueError(f"engine EP {self.engine_ep} must divide engine TP {self.engine_tp} (sglang's MoE layout)")
         if self.engine_dtype not in ("bf16", "fp8"):

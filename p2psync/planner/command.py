@@ -73,7 +73,11 @@ def plan_dict(cfg: dict[str, Any], model: str, cluster: Any, shapes: str = "auto
 
     t0 = time.perf_counter()
     sm = shapes_for(cfg, cluster.engine_tp, cluster.engine_ep, cluster.engine_dtype, shapes)
-    return to_dict(predict(cluster, sm, broadcast, t0=t0), model)
+    t1 = time.perf_counter()
+    d = to_dict(predict(cluster, sm, broadcast), model)
+    d["shapes_s"], d["plans_s"] = t1 - t0, d["plan_build_s"]
+    d["plan_build_s"] = time.perf_counter() - t0
+    return d
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,7 +86,13 @@ def run(args: argparse.Namespace) -> int:
 
         rows = compare(shapes=args.shapes, nic_gbps=args.nic_gbps, latency_us=args.latency_us,
                        broadcast=args.broadcast)
-        print(json.dumps(rows, indent=2) if args.json else format_compare(rows, args))
+        if args.json:
+            from .miles import perplexity
+
+            extra = perplexity(args.nic_gbps, args.latency_us, args.broadcast)
+            print(json.dumps({"miles": rows, "perplexity_kimi_k2": extra}, indent=2))
+        else:
+            print(format_compare(rows, args))
         return 0
     if not (args.preset or args.config):
         print("p2psync plan: give --preset or --config (or --compare-miles)", file=sys.stderr)

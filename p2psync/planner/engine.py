@@ -63,7 +63,8 @@ def sglang_shapes(cfg: dict[str, Any], tp: int, ep: int, dtype: str) -> ShapeMod
             if m:
                 i = int(m.group(1))
                 if i in picked:
-                    parts.setdefault(picked[i], []).append(Param(f"model.layers.*.{m.group(2)}", param.shape, param.dtype))
+                    layer_param = Param(f"model.layers.*.{m.group(2)}", param.shape, param.dtype)
+                    parts.setdefault(picked[i], []).append(layer_param)
             elif "embed_tokens" in name:
                 parts["embed"].append(param)
             else:

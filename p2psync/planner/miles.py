@@ -27,7 +27,24 @@ NOT_MODELED = [
 PERPLEXITY_KIMI_S = 1.3
 
 
-def compare(shapes: str = "auto", nic_gbps: float = 400.0, latency_us: float = 5.0, broadcast: str = "ring") -> list[dict[str, Any]]:
+# Perplexity's Kimi-K2 setup (anchors.md): 256 bf16 training GPUs -> 128 fp8 inference GPUs. Their layouts are
+# not published: ASSUMED here trainer TP8 PP8 EP32 (as miles) and 4 engines of TP32 EP32 (16 nodes).
+PERPLEXITY_ASSUMED = dict(train_ranks=256, train_tp=8, train_pp=8, train_ep=32, engines=4, engine_tp=32, engine_ep=32,
+                          engine_dtype="fp8")
+
+
+def perplexity(nic_gbps: float = 400.0, latency_us: float = 5.0, broadcast: str = "ring") -> dict[str, Any]:
+    from .command import plan_dict
+
+    cluster = Cluster(**PERPLEXITY_ASSUMED, nic_gbps=nic_gbps, latency_us=latency_us)
+    d = plan_dict(preset("Kimi-K2"), "Kimi-K2", cluster, "auto", broadcast)
+    return {"predicted_p2p_s": d["p2p"]["predicted_s"], "predicted_broadcast_s": d["broadcast"]["predicted_s"],
+            "published_s": PERPLEXITY_KIMI_S, "assumed": PERPLEXITY_ASSUMED}
+
+
+def compare(
+    shapes: str = "auto", nic_gbps: float = 400.0, latency_us: float = 5.0, broadcast: str = "ring"
+) -> list[dict[str, Any]]:
     from .command import plan_dict
 
     rows = []
@@ -36,7 +53,7 @@ def compare(shapes: str = "auto", nic_gbps: float = 400.0, latency_us: float = 5
             train_ranks=nodes * 8, train_tp=tp, train_pp=pp, train_ep=ep, engines=nodes * 8 // etp, engine_tp=etp,
             engine_ep=eep, engine_dtype=dtype, nic_gbps=nic_gbps, latency_us=latency_us,
         )
-        d = plan_dict(preset(model), model, cluster, shapes if dtype == "bf16" else "analytic", broadcast)
+        d = plan_dict(preset(model), model, cluster, shapes, broadcast)  # fp8: analytic, saying why
         rows.append({
             "model": model, "nodes": nodes, "trainer": f"TP{tp} PP{pp} CP{cp} EP{ep}",
             "engines": f"{cluster.engines} x TP{etp} EP{eep} {dtype}", "shapes": d["shapes"],
@@ -45,6 +62,16 @@ def compare(shapes: str = "auto", nic_gbps: float = 400.0, latency_us: float = 5
             "published_ratio": pub_b / pub_p, "plan_build_s": d["plan_build_s"],
         })
     return rows
+
+
+def _perplexity_line(args: argparse.Namespace | None) -> list[str]:
+    get = lambda name, default: getattr(args, name, default)  # noqa: E731
+    p = perplexity(get("nic_gbps", 400.0), get("latency_us", 5.0), get("broadcast", "ring"))
+    return [
+        f"Kimi-K2 (Perplexity's 256 -> 128 GPUs, layouts ASSUMED: trainer TP8 PP8 EP32, engines 4 x TP32 EP32 fp8): "
+        f"PREDICTED P2P {p['predicted_p2p_s']:.2f} s, broadcast {p['predicted_broadcast_s']:.1f} s; published "
+        f"Perplexity {p['published_s']} s."
+    ]
 
 
 def format_compare(rows: list[dict[str, Any]], args: argparse.Namespace | None = None) -> str:
@@ -73,6 +100,7 @@ def format_compare(rows: list[dict[str, Any]], args: argparse.Namespace | None =
         f"broadcast {kimi['predicted_broadcast_s']:.1f} s; published: miles P2P {kimi['published_p2p_s']} s "
         f"(broadcast {kimi['published_broadcast_s']} s), Perplexity {PERPLEXITY_KIMI_S} s (256 bf16 training GPUs -> "
         "128 fp8 inference GPUs, another setup).",
+        *_perplexity_line(args),
         "Shapes per row: " + "; ".join(f"{r['model']}: {r['shapes']}" for r in rows),
         "Not in the link model (present in the published times): trainer gathers, layout/replica work "
         "(miles' CPU replica load), engine pause/resume/post-processing.",

@@ -34,7 +34,7 @@ LINK_MODEL = (
     "each NIC {gbps:g} Gb/s per direction, full duplex; rank -> NIC local_rank % {nics}; "
     "P2P time = max over NIC-directions of bytes/bandwidth + messages x {lat:g} us (message = one parameter to one "
     "target), all stages at once; broadcast ({bmodel}) = one head rank per stage sends full tensors to every engine "
-    "rank, stages at once{bnote}; not modeled: trainer gathers, layout work, engine pause/resume"
+    "rank (engine dtype), stages at once{bnote}; not modeled: trainer gathers, layout work, engine pause/resume"
 )
 _BNOTE = {
     "ring": " (NCCL pipelined ring: each engine-rank NIC receives and forwards every byte once; + (tensors + ring "

@@ -55,6 +55,11 @@ def to_dict(p: Prediction, model: str) -> dict[str, Any]:
     }
 
 
+def _nic_order(name: str) -> tuple[int, int, int]:
+    side, node, nic = name.split("-")
+    return (0 if side == "trainer" else 1, int(node.removeprefix("node")), int(nic.removeprefix("nic")))
+
+
 def _nic(k: tuple[str, int, int]) -> str:
     return f"{k[0]}-node{k[1]}-nic{k[2]}"
 
@@ -76,7 +81,8 @@ def format_text(d: dict[str, Any]) -> str:
     ]
     for s in d["stages"]:
         lay = f"{s['layers'][0]}-{s['layers'][1]}" if s["layers"] else "-"
-        lines.append(f"  {s['stage']:>5}  {lay:<9}  {s['senders_used']:>4}/{s['senders']:<6}  {_gb(s['full_bytes_engine_dtype'])}")
+        used = f"{s['senders_used']:>4}/{s['senders']:<6}"
+        lines.append(f"  {s['stage']:>5}  {lay:<9}  {used}  {_gb(s['full_bytes_engine_dtype'])}")
     sb, rb = p2p["sender_bytes"], p2p["receiver_bytes"]
     lines += [
         "",
@@ -93,7 +99,8 @@ def format_text(d: dict[str, Any]) -> str:
         f"for any plan {p2p['plan_independent_floor_s']:.3f} s)",
         f"    broadcast  {b['predicted_s']:8.3f} s   ({d['broadcast_model']})",
         f"    broadcast / P2P = {d['broadcast_over_p2p']:.1f}x",
-        f"  plan built in {d['plan_build_s']:.3f} s (shapes + {c['train_pp']} real plans + loads)",
+        f"  plan built in {d['plan_build_s']:.3f} s: shapes {d.get('shapes_s', 0):.3f} s (with imports), "
+        f"{c['train_pp']} real plans + loads {d.get('plans_s', d['plan_build_s']):.3f} s",
     ]
     return "\n".join(lines)
 
@@ -108,15 +115,21 @@ def draw_png(d: dict[str, Any], path: str) -> None:
     except ImportError as exc:
         raise RuntimeError("--png needs matplotlib: pip install matplotlib") from exc
     fig, axes = plt.subplots(2, 1, figsize=(12, 7), sharey=False)
-    for ax, (way, sub) in zip(axes, (("P2P", d["p2p"]), (f"broadcast ({d['broadcast_model']})", d["broadcast"]))):
-        for label, key, color in (("send", "nic_send_bytes", "tab:blue"), ("receive", "nic_recv_bytes", "tab:orange")):
-            items = sorted(sub[key].items())
-            ax.bar([k for k, _ in items], [v / GB for _, v in items], label=label, color=color, alpha=0.7)
-        ax.set_title(f"{way}: predicted {sub['predicted_s']:.2f} s")
+    ways = (("P2P", d["p2p"]), (f"broadcast ({d['broadcast_model']})", d["broadcast"]))
+    names = {n for _, sub in ways for key in ("nic_send_bytes", "nic_recv_bytes") for n in sub[key]}
+    nics = sorted(names, key=_nic_order)
+    for ax, (way, sub) in zip(axes, ways):
+        x = range(len(nics))
+        for label, key, color, off in (("send", "nic_send_bytes", "tab:blue", -0.2),
+                                       ("receive", "nic_recv_bytes", "tab:orange", 0.2)):
+            ax.bar([i + off for i in x], [sub[key].get(n, 0) / GB for n in nics], width=0.4, label=label, color=color)
+        n_train = sum(1 for n in nics if n.startswith("trainer"))
+        ax.axvline(n_train - 0.5, color="grey", linestyle=":")
+        ax.set_title(f"{way}: predicted {sub['predicted_s']:.2f} s (a prediction from the link model)")
         ax.set_ylabel("GB through NIC")
-        ax.tick_params(axis="x", labelbottom=False)
-        ax.legend()
-    axes[-1].set_xlabel("NICs (trainer nodes, then engine nodes)")
+        ax.set_xlim(-1, len(nics))
+        ax.legend(loc="upper right")
+    axes[-1].set_xlabel("NICs: trainer nodes (left of the dotted line), then engine nodes; node by node, NIC by NIC")
     fig.suptitle(f"{d['model']}: per-NIC load, {d['shapes']}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
