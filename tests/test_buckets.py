@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2psync.core.buckets import make_buckets
+from p2psync.core.errors import ConnectError
 from p2psync.core.layout import ParamGroup
 from p2psync.core.types import ParamSpec
 
@@ -110,3 +112,18 @@ def test_bucket_properties(inputs: tuple[list[ParamSpec], list[ParamGroup], int]
         if head not in firsts:
             firsts.append(head)
     assert firsts == sorted(firsts, key=order.index)
+
+
+def test_kinds_never_share_a_bucket_and_each_kind_fills_its_own():
+
+    specs = [ParamSpec(f"{kind}{i}", (4,), "float32") for i in range(4) for kind in ("attn", "expert")]
+    groups = [ParamGroup((s.name,), (s.name,), 16) for s in specs]
+    buckets = make_buckets(specs, groups, 32, kind=lambda n: "expert" if n.startswith("expert") else "")
+    assert buckets == [["attn0", "attn1"], ["expert0", "expert1"], ["attn2", "attn3"], ["expert2", "expert3"]]
+
+
+def test_a_group_tying_two_kinds_is_refused():
+
+    specs = [ParamSpec("a", (4,), "float32"), ParamSpec("e", (4,), "float32")]
+    with pytest.raises(ConnectError, match=r"HF tensors \['a', 'e'\] feed one engine parameter"):
+        make_buckets(specs, [ParamGroup(("a", "e"), ("ae",), 32)], 64, kind=lambda n: "expert" if n == "e" else "")

@@ -8,14 +8,25 @@ trainer's order up to `bucket_bytes`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
+from .errors import ConnectError
 from .layout import ParamGroup
 from .types import ParamSpec
 
 
-def make_buckets(specs: Sequence[ParamSpec], groups: Iterable[ParamGroup], bucket_bytes: int) -> list[list[str]]:
-    """Names to gather per bucket, in the trainer's order; only names some group reads."""
+def make_buckets(
+    specs: Sequence[ParamSpec],
+    groups: Iterable[ParamGroup],
+    bucket_bytes: int,
+    kind: Callable[[str], str] = lambda name: "",
+) -> list[list[str]]:
+    """Names to gather per bucket, in the trainer's order; only names some group reads.
+
+    Tensors of different `kind` (a trainer's `bucket_kind`, e.g. experts, which
+    Megatron gathers over another group) never share a bucket; each kind fills its
+    own open bucket, so buckets stay full.
+    """
     parent: dict[str, str] = {}
 
     def find(name: str) -> str:
@@ -36,14 +47,20 @@ def make_buckets(specs: Sequence[ParamSpec], groups: Iterable[ParamGroup], bucke
     for spec in order:
         components.setdefault(find(spec.name), []).append(spec)
 
-    buckets: list[list[str]] = []
-    size = 0
+    closed: list[list[str]] = []
+    open_: dict[str, tuple[list[str], int]] = {}  # kind -> (names, bytes) of its bucket being filled
     for members in components.values():
+        kinds = {kind(s.name) for s in members}
+        if len(kinds) > 1:
+            raise ConnectError(
+                f"HF tensors {[s.name for s in members]} feed one engine parameter but are of different "
+                f"bucket kinds {sorted(kinds)}"
+            )
+        (key,) = kinds
         nbytes = sum(s.nbytes for s in members)
-        if buckets and size + nbytes <= bucket_bytes:
-            buckets[-1].extend(s.name for s in members)
-            size += nbytes
-        else:
-            buckets.append([s.name for s in members])
-            size = nbytes
-    return buckets
+        names, size = open_.get(key, ([], 0))
+        if names and size + nbytes > bucket_bytes:
+            closed.append(names)
+            names, size = [], 0
+        open_[key] = (names + [s.name for s in members], size + nbytes)
+    return closed + [names for names, _ in open_.values()]

@@ -194,7 +194,7 @@ class Session:
                     served.setdefault(unit, _Unit(unit, units[unit].layout)).tables.append(table)
 
         all_groups = [g for groups in groups_of.values() for g in groups]
-        self._buckets = make_buckets(list(mine.values()), all_groups, self.bucket_bytes)
+        self._buckets = make_buckets(list(mine.values()), all_groups, self.bucket_bytes, self.source.bucket_kind)
         bucket_of = {name: i for i, names in enumerate(self._buckets) for name in names}
         self._work = [[] for _ in self._buckets]
         for unit in served.values():

@@ -34,3 +34,8 @@ class TrainerSource(ABC):
     @abstractmethod
     def gather(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """Full HF tensors for `names` (collective over the sender group)."""
+
+    def bucket_kind(self, name: str) -> str:
+        """Tensors of different kinds never share a bucket (Megatron gathers experts over
+        another group than the rest). One kind by default."""
+        return ""

@@ -151,6 +151,11 @@ class MegatronSource(TrainerSource):
     def param_specs(self) -> list[ParamSpec]:
         return list(self._specs)
 
+    def bucket_kind(self, name: str) -> str:
+        """Experts are gathered over the expert-TP and EP groups, the rest over TP: keep
+        them in separate buckets."""
+        return "expert" if self._by_hf[name].owner is not None else ""
+
     def gather(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         wanted = set(names)
         entries = list({id(self._by_hf[n]): self._by_hf[n] for n in names}.values())
