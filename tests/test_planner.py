@@ -171,8 +171,12 @@ def test_sglang_meta_shapes_equal_analytic() -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from sglang_models import config_dict, hf_config
 
-    for kind, tp, ep in [("qwen3_moe", 2, 2), ("qwen3_moe", 4, 2), ("deepseek_v3", 2, 2), ("deepseek_v3", 2, 1)]:
-        cfg = config_dict(hf_config(kind))
+    cases = [(config_dict(hf_config(kind)), tp, ep) for kind, tp, ep in
+             [("qwen3_moe", 2, 2), ("qwen3_moe", 4, 2), ("deepseek_v3", 2, 2), ("deepseek_v3", 2, 1)]]
+    # the presets themselves, at real width (sglang builds one layer of each kind on meta)
+    cases += [(preset("GLM-4.5-Air"), 8, 8), (preset("Qwen3-235B-A22B"), 8, 4), (preset("Kimi-K2"), 8, 8)]
+    for cfg, tp, ep in cases:
+        kind = cfg["architectures"][0]
         real, analytic = sglang_shapes(cfg, tp, ep, "bf16"), analytic_shapes(cfg, tp, ep, "bf16")
         assert real.source.startswith("shapes from sglang")
         for rank in range(tp):

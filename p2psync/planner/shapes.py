@@ -177,7 +177,9 @@ class _Builder:
         local = _div(experts, self.ep, "routed experts over engine EP")
         moe_tp = _div(self.tp, self.ep, "engine TP over EP (tp/ep ways inside an expert)")
         ip = _div(inter, moe_tp, "expert intermediate size over tp/ep")
-        self.linear(out, "mlp.gate", experts, h, quant=False)
+        # the router: sglang keeps GLM-4.5's (and any `router_fp32` config's) in float32
+        fp32_router = c.get("router_fp32") or "Glm4Moe" in (c.get("architectures") or [""])[0]
+        out.append(Param("mlp.gate.weight", (experts, h), "float32" if fp32_router else self.act))
         if "n_routed_experts" in c and c.get("topk_method", "noaux_tc") == "noaux_tc":
             out.append(Param("mlp.gate.e_score_correction_bias", (experts,), "float32"))
         self.linear(out, "mlp.experts.w13_weight", 2 * ip, h, experts=local)
