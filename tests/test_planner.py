@@ -124,6 +124,8 @@ def test_cli_json_parses(capsys: pytest.CaptureFixture[str]) -> None:
     assert d["cluster"]["engines"] == 2 and d["cluster"]["train_ranks"] == 16
     assert d["broadcast"]["predicted_s"] > d["p2p"]["predicted_s"] > 0
     assert "Gb/s" in d["link_model"]
+    # what the stages hold gathered (bf16 HF tensors) adds up to the whole model, vocab padded to 64
+    assert sum(s["held_bytes_trainer_dtype"] for s in d["stages"]) == 2 * d["parameters"]
 
 
 def test_cli_text_states_shapes_and_link_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

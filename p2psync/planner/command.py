@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--train-pp", type=int, default=1, help="pipeline stages = sender groups")
     t.add_argument("--train-ep", type=int, default=1)
     t.add_argument("--train-etp", type=int, default=1)
-    t.add_argument("--trainer-dtype", default="bf16")
+    t.add_argument("--trainer-dtype", default="bf16", help="bf16 (default), fp16 or fp32: bytes a stage holds gathered")
     e = p.add_argument_group("engines")
     e.add_argument("--engines", type=int, help="engine count (default: engine nodes x GPUs per node / engine TP)")
     e.add_argument("--engine-tp", type=int, default=8)
@@ -70,12 +70,19 @@ def plan_dict(cfg: dict[str, Any], model: str, cluster: Any, shapes: str = "auto
     from .engine import shapes_for
     from .predict import predict
     from .report import to_dict
+    from .shapes import analytic_shapes
 
     t0 = time.perf_counter()
     sm = shapes_for(cfg, cluster.engine_tp, cluster.engine_ep, cluster.engine_dtype, shapes)
     t1 = time.perf_counter()
     d = to_dict(predict(cluster, sm, broadcast), model)
     d["shapes_s"], d["plans_s"] = t1 - t0, d["plan_build_s"]
+    # what each pipeline stage holds gathered, as HF tensors in the trainer's dtype (analytic, unsharded)
+    trainer = analytic_shapes(cfg, 1, 1, cluster.trainer_dtype)
+    for s in d["stages"]:
+        layers = cluster.stage_layers(s["stage"], len(trainer.layer_kinds))
+        first, last = s["stage"] == 0, s["stage"] == cluster.train_pp - 1
+        s["held_bytes_trainer_dtype"] = trainer.full_bytes(layers, first, last)[0]
     d["plan_build_s"] = time.perf_counter() - t0
     return d
 

@@ -77,12 +77,13 @@ def format_text(d: dict[str, Any]) -> str:
         f"  network: {c['nics_per_node']} NICs per node x {c['nic_gbps']:g} Gb/s, {c['gpus_per_node']} GPUs per node",
         f"  link model: {d['link_model']}",
         "",
-        "  stage  layers     senders used  full bytes (engine dtype)",
+        f"  stage  layers     senders used  full bytes (engine dtype)  held gathered ({c['trainer_dtype']})",
     ]
     for s in d["stages"]:
         lay = f"{s['layers'][0]}-{s['layers'][1]}" if s["layers"] else "-"
         used = f"{s['senders_used']:>4}/{s['senders']:<6}"
-        lines.append(f"  {s['stage']:>5}  {lay:<9}  {used}  {_gb(s['full_bytes_engine_dtype'])}")
+        held = _gb(s["held_bytes_trainer_dtype"]) if "held_bytes_trainer_dtype" in s else "-"
+        lines.append(f"  {s['stage']:>5}  {lay:<9}  {used}  {_gb(s['full_bytes_engine_dtype']):<25}  {held}")
     sb, rb = p2p["sender_bytes"], p2p["receiver_bytes"]
     lines += [
         "",

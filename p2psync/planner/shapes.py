@@ -121,7 +121,9 @@ class _Builder:
     def __init__(self, cfg: dict[str, Any], tp: int, ep: int, dtype: str) -> None:
         self.cfg, self.tp, self.ep = cfg, tp, ep
         self.fp8 = dtype == "fp8"
-        self.act = "bfloat16" if dtype in ("fp8", "bf16") else dtype
+        self.act = {"fp8": "bfloat16", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype)
+        if self.act not in DTYPE_BYTES:
+            raise ValueError(f"dtype {dtype!r}: use bf16, fp8, fp16 or fp32")
 
     def linear(self, out: list[Param], name: str, rows: int, cols: int, *, bias: bool = False, quant: bool = True,
                experts: int = 0) -> None:
