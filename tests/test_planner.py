@@ -108,6 +108,11 @@ def test_broadcast_predicted_slower_than_p2p_with_engine_ep(bmodel: str) -> None
     assert max(p.bcast_nic_recv.values()) > 4 * max(p.receiver_bytes.values())  # ~EP times more per engine rank
 
 
+def test_unknown_architecture_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="MixtralForCausalLM"):
+        analytic_shapes(dict(SMALL, architectures=["MixtralForCausalLM"]), 2, 1, "bf16")
+
+
 def test_stage_split_covers_every_layer_once() -> None:
     c = Cluster(train_ranks=64, train_pp=8)
     spans = [c.stage_layers(s, 61) for s in range(8)]
@@ -174,7 +179,8 @@ def test_sglang_meta_shapes_equal_analytic() -> None:
     from sglang_models import config_dict, hf_config
 
     cases = [(config_dict(hf_config(kind)), tp, ep) for kind, tp, ep in
-             [("qwen3_moe", 2, 2), ("qwen3_moe", 4, 2), ("deepseek_v3", 2, 2), ("deepseek_v3", 2, 1)]]
+             [("qwen2", 2, 1), ("qwen3", 2, 1), ("qwen3_moe", 2, 2), ("qwen3_moe", 4, 2), ("deepseek_v3", 2, 2),
+              ("deepseek_v3", 2, 1)]]
     # the presets themselves, at real width (sglang builds one layer of each kind on meta)
     cases += [(preset("GLM-4.5-Air"), 8, 8), (preset("Qwen3-235B-A22B"), 8, 4), (preset("Kimi-K2"), 8, 8)]
     for cfg, tp, ep in cases:

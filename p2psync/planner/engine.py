@@ -38,6 +38,8 @@ def _reduced(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[int, str]]:
     small = copy.deepcopy(cfg)
     small["num_hidden_layers"] = n
     small.pop("num_nextn_predict_layers", None)
+    if isinstance(small.get("layer_types"), list):  # per-layer lists must match the layer count
+        small["layer_types"] = small["layer_types"][:n]
     return small, {i: kinds[i] for i in keep.values()}
 
 

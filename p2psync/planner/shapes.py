@@ -161,7 +161,8 @@ class _Builder:
         hd = int(c.get("head_dim") or h // heads)
         kv = int(c.get("num_key_value_heads") or heads)
         kvp = max(1, kv // tp) if tp >= kv else _div(kv, tp, "KV heads over engine TP")
-        self.linear(out, "self_attn.qkv_proj", (hp + 2 * kvp) * hd, h, bias=bool(c.get("attention_bias")))
+        bias = bool(c.get("attention_bias")) or c.get("model_type") == "qwen2"  # Qwen2: q/k/v biases, always
+        self.linear(out, "self_attn.qkv_proj", (hp + 2 * kvp) * hd, h, bias=bias)
         self.linear(out, "self_attn.o_proj", h, hp * hd)
         if c.get("model_type", "").startswith("qwen3") or c.get("use_qk_norm"):
             self.norm(out, "self_attn.q_norm", hd)
@@ -215,8 +216,21 @@ class _Builder:
         return RankShapes(parts)
 
 
+#: Architectures whose sglang sharding the analytic model follows (checked against sglang's meta models).
+ANALYTIC_ARCHITECTURES = (
+    "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM", "Glm4MoeForCausalLM",
+    "DeepseekV3ForCausalLM",
+)
+
+
 def analytic_shapes(cfg: dict[str, Any], tp: int, ep: int, dtype: str, why: str = "") -> ShapeModel:
     """Shapes of every rank of an engine of `tp` ranks (experts over `ep`), by sglang's rules."""
+    arch = (cfg.get("architectures") or ["?"])[0]
+    if arch not in ANALYTIC_ARCHITECTURES:
+        raise ValueError(
+            f"the analytic shape model knows {', '.join(ANALYTIC_ARCHITECTURES)}, not {arch}; "
+            "with sglang installed, --shapes sglang reads any architecture sglang supports"
+        )
     kinds = layer_kinds(cfg)
     builder = _Builder(cfg, tp, ep, dtype)
     one = builder.rank(set(kinds))
