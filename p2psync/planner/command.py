@@ -15,7 +15,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=sorted(PRESETS), help="model from public architecture numbers (no download)")
     src.add_argument("--config", help="path to an HF config.json")
-    t = p.add_argument_group("trainer")
+    t = p.add_argument_group(
+        "trainer", "every rank of a pipeline stage holds the stage's tensors after gathering and sends: TP/EP/ETP are "
+        "checked and shown, the bytes on the wire depend on PP and the engines"
+    )
     t.add_argument("--train-ranks", type=int, help="trainer ranks (default: trainer nodes x GPUs per node)")
     t.add_argument("--train-tp", type=int, default=1)
     t.add_argument("--train-pp", type=int, default=1, help="pipeline stages = sender groups")
