@@ -35,6 +35,10 @@ class Cluster:
             raise ValueError(
                 f"train ranks {self.train_ranks} are not a multiple of TP x PP = {self.train_tp * self.train_pp}"
             )
+        if self.stage_size % (self.train_ep * self.train_etp):
+            raise ValueError(
+                f"a pipeline stage of {self.stage_size} ranks does not hold EP x ETP = {self.train_ep * self.train_etp}"
+            )
         if self.engine_tp % self.engine_ep:
             raise ValueError(f"engine EP {self.engine_ep} must divide engine TP {self.engine_tp} (sglang's MoE layout)")
         if self.engine_dtype not in ("bf16", "fp8"):
