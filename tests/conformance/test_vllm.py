@@ -1,4 +1,6 @@
-"""The vLLM engine adapter through the conformance suite (environment `conformance-vllm`).
+"""The vLLM engine adapter through the conformance suite (environment `conformance-vllm`):
+layouts against vLLM's own load, and FSDP2 -> 2 vLLM engines of TP 2 driven through
+vLLM's weight-transfer flow with the `p2psync` backend.
 
 Every model and TP size is covered bit for bit in tests/test_vllm_layouts.py; here a
 dense and an MoE/MLA case stand for the adapter in the matrix, with both layouts.
@@ -58,8 +60,13 @@ class TestFSDP2ToVllm(RoundTripTests):
             for rank in range(opts.tp):
                 expected = {n: p.data for n, p in vllm_loaded(config, rank, trainer).named_parameters()}
                 for engine in ("engine-0", "engine-1"):
-                    held = torch.load(tmp_path / f"{engine}-rank{rank}.pt")["params"]
-                    out[f"{engine}[{rank}]"] = (expected, held)
+                    held = torch.load(tmp_path / f"{engine}-rank{rank}.pt")
+                    # Driven through vLLM's own weight-transfer flow, in its order, every update.
+                    assert [c[0] for c in held["calls"]] == ["init_weight_transfer_engine"] + [
+                        "start_weight_update", "update_weights", "finish_weight_update"
+                    ] * opts.updates, (engine, rank)
+                    assert held["calls"][-2][1] == {"update_info": {"version": f"step-{opts.updates}"}}
+                    out[f"{engine}[{rank}]"] = (expected, held["params"])
             return out
 
         return go
