@@ -28,3 +28,8 @@ def test_bench_json_has_both_ways_and_a_delivered_baseline(capsys):
     assert result["ratio_broadcast_over_p2p"] > 0
     for limit in ("memcpy", "raw_transport"):
         assert result["limits"][limit]["gbps"] > 0, limit
+    memory = result["trainer_memory"]
+    assert set(memory) == {"trainer-0", "trainer-1"}
+    for trainer, m in memory.items():
+        assert m["peak_bytes"] >= m["before_sync_bytes"] > 0, trainer
+        assert m["transfer_buffers_bytes"] > 0 and m["largest_group_bytes"] > 0, trainer

@@ -80,6 +80,14 @@ def format_report(result: dict[str, Any]) -> str:
         f"  broadcast / p2p: {result['ratio_broadcast_over_p2p']:.2f}x; "
         f"the FSDP2 gathers alone (paid by both ways): {result['gather_seconds']:.3f} s per update"
     )
+    for trainer, m in result.get("trainer_memory", {}).items():
+        beyond = m["peak_bytes"] - m["before_sync_bytes"]
+        bound = m["transfer_buffers_bytes"] + m["largest_group_bytes"] + m["bucket_bytes"]
+        lines.append(
+            f"  {trainer} peak RSS added by syncing (after connect): {_bytes(beyond)}; bound: 2 transfer buffers "
+            f"{_bytes(m['transfer_buffers_bytes'])} + largest group {_bytes(m['largest_group_bytes'])} + one gathered "
+            f"bucket {_bytes(m['bucket_bytes'])} = {_bytes(bound)} ({'within' if beyond <= bound else 'OVER'})"
+        )
     machine = result["limits"]
     memcpy, raw = machine["memcpy"], machine["raw_transport"]
     limit = (

@@ -8,6 +8,7 @@ process of their own, while nothing else of the bench runs.
 from __future__ import annotations
 
 import os
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -45,6 +46,11 @@ def bench_engine(index: int, opts: BenchOptions, port: int, stop: Any) -> None:
     broadcast.engine_loop(endpoint.rendezvous, index, opts.engines, endpoint.params, stop, GROUP_TIMEOUT)
     stop.wait()
     endpoint.close()
+
+
+def _peak_rss() -> int:
+    """This process's peak resident memory so far, in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _setup(
@@ -87,6 +93,7 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
         transfer_timeout=opts.transfer_timeout, check=opts.check,
     )
     session.connect(engines)
+    held_before = _peak_rss()  # model, transport libraries, untouched buffers: what syncing starts from
     buckets = broadcast.buckets_of(source, opts.bucket_bytes)
     pg = broadcast.leader_group(rendezvous, buckets, opts.engines, GROUP_TIMEOUT) if rank == 0 else None
     rounds = opts.warmup + opts.updates
@@ -123,6 +130,15 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
     bar.close()
     if pg is not None:
         broadcast.stop(pg)
+    memory = {
+        "before_sync_bytes": held_before,
+        "peak_bytes": _peak_rss(),
+        "transfer_buffers_bytes": session.buffer_bytes,
+        "largest_group_bytes": session.largest_group_bytes,
+        "bucket_bytes": opts.bucket_bytes,
+    }
+    memories = [None] * opts.trainers
+    dist.all_gather_object(memories, memory)
     dist.barrier()  # every trainer rank is done before any tears down
     transport = session.transport.describe()
     assert session.plan is not None
@@ -133,7 +149,9 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
         timed = {name: s[opts.warmup :] for name, s in seconds.items()}
         specs = source.param_specs()
         ways = _ways(opts, specs, timed, load, reports[-1], wrong)
-        results.put({"setup": _setup(opts, specs, transport, timed["gathers"]), "ways": ways})
+        setup = _setup(opts, specs, transport, timed["gathers"])
+        setup["trainer_memory"] = {f"trainer-{r}": m for r, m in enumerate(memories)}
+        results.put({"setup": setup, "ways": ways})
 
 
 def _ways(

@@ -120,6 +120,16 @@ class Session:
         self._work: list[list[tuple[_Unit, list[ParamGroup]]]] = []
 
     @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the registered transfer buffers (both of them)."""
+        return self._pool.nbytes * len(self._pool.tensors) if self._pool else 0
+
+    @property
+    def largest_group_bytes(self) -> int:
+        """Bytes of the largest parameter group this rank produces."""
+        return max((g.nbytes for work in self._work for _, groups in work for g in groups), default=0)
+
+    @property
     def bucket_count(self) -> int:
         """How many buckets one update gathers (known after `connect`)."""
         return len(self._buckets)
