@@ -111,3 +111,22 @@ def test_connect_names_the_hf_tensor_sglangs_loader_refuses():
     sources[name] = dataclasses.replace(sources[name], shape=(96, 65))
     with pytest.raises(ConnectError, match=f"engine 'engine-0' rank 1: sglang's loader refuses HF tensor '{name}' \\[96, 65\\]"):
         SglangLayout(table, sources, mode="copy_map", version=require_sglang())
+
+
+def test_post_load_on_layout_bytes_derives_what_sglangs_load_derives():
+    """DeepSeek's MLA keeps `w_kc`/`w_vc` (not parameters) derived from `kv_b_proj`: an engine whose
+    parameters got the layout's bytes and then ran sglang's post-load step holds them as sglang's load does."""
+    from p2psync.adapters.sglang.shim import RankSpec, build_rank_model, post_load
+
+    tensors = checkpoint("deepseek_v3")
+    expected, table = sglang_rank(config_dict(hf_config("deepseek_v3")), 2, 1, 1, tensors)
+    layout = SglangLayout(table, specs(tensors), mode="copy_map", version=require_sglang())
+    engine = build_rank_model(RankSpec(config_dict(hf_config("deepseek_v3")), 2, 1, "bfloat16", 1), "cpu")
+    for name, data in produce(layout, tensors, table).items():
+        engine.model.get_parameter(name).data.view(-1).view(torch.uint8).copy_(data)
+    post_load(engine.model)  # as an endpoint's finish runs it: outside any rank context
+    reference = build_rank_model(RankSpec(config_dict(hf_config("deepseek_v3")), 2, 1, "bfloat16", 1), "cpu")
+    reference.load(list(tensors.items()))
+    for layer, ref in zip(engine.model.model.layers, reference.model.model.layers):
+        assert torch.equal(layer.self_attn.w_kc, ref.self_attn.w_kc)
+        assert torch.equal(layer.self_attn.w_vc, ref.self_attn.w_vc)

@@ -9,7 +9,7 @@ from ...core.endpoint import EngineEndpoint, EngineHooks
 from ...core.plugins import registry
 from ...core.transport import Transport
 from .key import layout_key
-from .shim import hf_config_dict
+from .shim import hf_config_dict, post_load
 
 if TYPE_CHECKING:
     import torch
@@ -36,6 +36,9 @@ def serve(
 
     `server_args` and `model_config` are sglang's ServerArgs and ModelConfig of the
     engine; they make the layout key, from which a trainer rebuilds this rank.
+    Control calls must carry `token` (default: the job's token from the rendezvous).
+    `extra` goes into the published table (the server's URL, when serving inside one).
+    By default `finish` runs sglang's post-load step (see `shim.post_load`).
     """
     import sglang
 
@@ -50,7 +53,7 @@ def serve(
         layout_key=layout_key(server_args, hf_config_dict(model_config), str(model_config.dtype), sglang.__version__),
         transport=transport,
         rendezvous=rendezvous,
-        hooks=hooks,
+        hooks=hooks or EngineHooks(post_process=lambda: post_load(model)),
         host=host,
         token=token,
         extra=extra,

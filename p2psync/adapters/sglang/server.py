@@ -68,6 +68,11 @@ def publish_server(
         session, weights = answer["remote_instance_transfer_engine_info"]
         draft = TargetTable(engine_id, rank, int(info["tp_size"]), "sglang", key, "mooncake", {}, url, ())
         model = build_rank_model(rank_spec(draft, require_sglang()), "meta").model
+        if hasattr(model, "post_load_weights"):
+            raise ConnectError(
+                f"{where(engine_id, rank)}: {key['architecture']} derives weights after loading, which the "
+                "server's own transfer-engine endpoint cannot redo; serve p2psync's endpoint through the plugin"
+            )
         table = TargetTable(
             engine_id=engine_id, rank=rank, world_size=int(info["tp_size"]), engine="sglang", layout_key=key,
             transport="mooncake", transport_info={"session": session}, control_url=url,
@@ -128,8 +133,9 @@ class ServerControl(EngineControl):
 
 
 class ServedControl(EndpointControl):
-    """Ranks served by p2psync's endpoint inside an sglang server (the plugin): access and
-    digests through the endpoints, pausing, flushing and the version through the server."""
+    """Ranks served by p2psync's endpoint inside an sglang server (the plugin): access, digests
+    and sglang's post-load step through the endpoints; pausing, flushing and the version
+    through the server."""
 
     def __init__(self, tables: Sequence[TargetTable], *, timeout: float, token: str = "") -> None:
         super().__init__(tables, timeout=timeout, token=token)
@@ -143,4 +149,5 @@ class ServedControl(EndpointControl):
         self.server.pause()
 
     def finish(self, version: str) -> None:
+        super().finish(version)  # each rank's endpoint runs sglang's post-load step
         self.server.finish(version)

@@ -109,6 +109,14 @@ class RankModel:
             self.model.load_weights(list(items))
 
 
+def post_load(model: torch.nn.Module) -> None:
+    """sglang's own step after loading (DeepSeek's MLA derives `w_kc`/`w_vc` from `kv_b_proj`):
+    an engine runs it after each update, once the new bytes are in place."""
+    from sglang.srt.model_loader.loader import post_load_weights
+
+    post_load_weights(model)
+
+
 def hf_config_dict(model_config: Any) -> dict[str, Any]:
     """The HF config sglang's ModelConfig holds, as a JSON-ready dict."""
     return json.loads(model_config.hf_config.to_json_string(use_diff=False))
