@@ -1,17 +1,31 @@
-"""The sglang engine target through the conformance suite: TP rank 1 of 2 (vocabulary padding), both layouts."""
+"""The sglang engine target through the conformance suite (environment `conformance-sglang`):
+TP rank 1 of 2 (vocabulary padding) with both layouts, and FSDP2 -> 2 sglang engines of TP 2,
+each rank its own process, bit-exact with sglang's own load of the trainer's final weights."""
 
 from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("sglang", reason="sglang (p2psync[sglang], sglang==0.5.23) is not installed; run `tox -e sglang`")
+pytest.importorskip(
+    "sglang", reason="sglang (p2psync[sglang], sglang==0.5.23) is not installed; run `tox -e conformance-sglang`"
+)
 pytest.importorskip("transformers", reason="transformers is not installed")
+pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is not installed")
 
 import json  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from p2psync.conformance import EngineCase, EngineTargetTests  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the sglang test helpers
+
+from sglang_e2e import TP as E2E_TP  # noqa: E402
+from sglang_e2e import engine_config, engine_ids, engine_rank, trainer  # noqa: E402
+from sglang_models import sglang_rank  # noqa: E402
+
+from p2psync.conformance import EngineCase, EngineTargetTests, RoundTripTests  # noqa: E402
+from p2psync.demo import DemoOptions, launch  # noqa: E402
 from p2psync.core.types import TargetParam, TargetTable  # noqa: E402
 
 TP, RANK = 2, 1
@@ -49,3 +63,31 @@ class TestSglangEngine(EngineTargetTests):
         target = registry().engine_target("sglang")(layout=mode)
         expected = {n: p.data for n, p in engine.model.named_parameters()}
         return EngineCase(table=table, sources=sources, expected=expected, layout=target.layout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["mooncake"])
+class TestFSDP2ToSglang(RoundTripTests):
+    conformance = {"trainer": "fsdp2", "engine": "sglang"}
+
+    @pytest.fixture
+    def round_trip(self, transport, tmp_path):
+        def go():
+            opts = DemoOptions(
+                size="tiny", trainers=2, engines=2 * E2E_TP, updates=2, transport=transport,
+                bucket_bytes=64 << 10, progress=False, dump_dir=str(tmp_path),
+            )
+            result = launch(opts, engine_rank, trainer)
+            assert result["buckets"] > 1
+            for report in result["reports"]:
+                assert report.ok and all(e.checked and e.bytes > 0 for e in report.engines.values()), report.format()
+            trainer_tensors = torch.load(tmp_path / "trainer.pt")
+            config = engine_config(opts.size)
+            out = {}
+            for rank in range(E2E_TP):
+                expected, _ = sglang_rank(config, E2E_TP, 1, rank, trainer_tensors)
+                for engine in engine_ids(opts):
+                    out[f"{engine}[{rank}]"] = (expected, torch.load(tmp_path / f"{engine}-rank{rank}.pt"))
+            return out
+
+        return go

@@ -14,8 +14,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 ENDPOINT_ENV = "P2PSYNC_SGLANG_ENDPOINT"
 #: Endpoints served by this process, kept alive for its lifetime.
@@ -23,8 +26,14 @@ _served: list[Any] = []
 
 
 def load() -> None:
-    from .shim import on_model_loaded, patch_server_for_cpu
+    import sglang
 
+    from .shim import SGLANG_VERSION, on_model_loaded, patch_server_for_cpu
+
+    if sglang.__version__ != SGLANG_VERSION and not os.environ.get(ENDPOINT_ENV):
+        # Installed beside another sglang: stay out of its way rather than fail its server.
+        log.warning("p2psync supports sglang %s, not %s: its sglang plugin does nothing", SGLANG_VERSION, sglang.__version__)
+        return
     patch_server_for_cpu()
     if os.environ.get(ENDPOINT_ENV):
         on_model_loaded(_serve_rank)
