@@ -20,11 +20,12 @@ import torch
 
 from ...core.errors import ConnectError, where
 from ...core.layout import Layout, ParamGroup
+from ...core.relation import connected_groups
 from ...core.session import ALIGN
 from ...core.types import ParamSpec, Region, TargetTable
 from .copymap import ParamMap, index_inputs, param_map, written_runs
 from .key import rank_spec
-from .probe import backed, components, trace_writes
+from .probe import backed, trace_writes
 from .shim import RankModel, build_rank_model
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,8 @@ class SglangLayout(Layout):
                 + (f" (nor into {len(unwritten) - 1} more)" if len(unwritten) > 1 else "")
             )
         self._plans: dict[tuple[str, ...], _Plan] = {}
-        for inputs, outputs in components(writes):
+        edges = ((hf, param) for param, hfs in writes.items() for hf in hfs)
+        for inputs, outputs in connected_groups(edges, list(sources), list(params)):
             plan = self._compile(rank_model, params, [sources[n] for n in inputs], outputs, mode)
             self._plans[plan.group.outputs] = plan
         needs_loader = any(p.maps is None for p in self._plans.values())
@@ -114,7 +116,7 @@ class SglangLayout(Layout):
         """Which HF tensors feed which parameter; a ConnectError naming the HF tensor sglang's loader refuses."""
         try:
             return trace_writes(rank_model.load, params, list(sources.values()))
-        except Exception as exc:  # sglang's loaders raise anything (asserts, shape errors) on a bad tensor
+        except Exception:  # sglang's loaders raise anything (asserts, shape errors) on a bad tensor
             for spec in sources.values():
                 try:
                     trace_writes(rank_model.load, params, [spec])

@@ -77,25 +77,6 @@ def trace_writes(load: Loader, params: Mapping[str, torch.Tensor], specs: Sequen
     return dict(flow.writes)
 
 
-def components(writes: Mapping[str, set[str]]) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
-    """Connected (inputs, outputs) groups of the bipartite input-parameter graph, in parameter order."""
-    parent: dict[str, str] = {}
-
-    def find(x: str) -> str:
-        while parent.setdefault(x, x) != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for param, inputs in writes.items():
-        for name in inputs:
-            parent[find("in:" + name)] = find("out:" + param)
-    groups: dict[str, tuple[list[str], list[str]]] = {}
-    for param, inputs in writes.items():
-        ins, outs = groups.setdefault(find("out:" + param), ([], []))
-        outs.append(param)
-        ins.extend(n for n in sorted(inputs) if n not in ins)
-    return [(tuple(ins), tuple(outs)) for ins, outs in groups.values()]
 
 
 @contextmanager

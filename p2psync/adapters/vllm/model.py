@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from ...core.relation import connected_groups
 from . import shim
 
 if TYPE_CHECKING:
@@ -100,24 +101,5 @@ class LoaderRefused(ValueError):
 def groups_of(
     feeds: Mapping[str, set[str]], inputs: Sequence[str], params: Sequence[str]
 ) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
-    """Connected components of the HF-tensor -> parameter relation, as (inputs, outputs) in
-    the trainer's and the engine's order."""
-    parent: dict[str, str] = {}
-
-    def find(x: str) -> str:
-        while parent.setdefault(x, x) != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for hf, outs in feeds.items():
-        for out in outs:
-            parent[find("p:" + out)] = find("i:" + hf)
-    members: dict[str, tuple[list[str], list[str]]] = defaultdict(lambda: ([], []))
-    for hf in inputs:
-        if hf in feeds:
-            members[find("i:" + hf)][0].append(hf)
-    for name in params:
-        if "p:" + name in parent:
-            members[find("p:" + name)][1].append(name)
-    return [(tuple(ins), tuple(outs)) for ins, outs in members.values() if outs]
+    """Groups of HF tensors and the parameters they feed, in the trainer's and the engine's order."""
+    return connected_groups(((hf, out) for hf, outs in feeds.items() for out in outs), inputs, params)
