@@ -85,6 +85,20 @@ class EngineEndpoint:
         self._lock = threading.Lock()
         self._server: ControlServer | None = None
 
+    @classmethod
+    def serve(
+        cls, *, transport: Transport | str, transport_options: Mapping[str, Any] | None = None, **fields: Any
+    ) -> EngineEndpoint:
+        """Create an endpoint over `transport` (an instance, or a registered name built with
+        `transport_options`) and start it: what every engine adapter's `serve` does."""
+        if isinstance(transport, str):
+            from .plugins import registry
+
+            transport = registry().transport(transport)(options=transport_options)
+        endpoint = cls(transport=transport, **fields)
+        endpoint.start()
+        return endpoint
+
     def start(self) -> TargetTable:
         """Register the parameter memory, start serving control calls, publish the table."""
         self.transport.bind(self.rendezvous)

@@ -6,7 +6,6 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ...core.endpoint import EngineEndpoint, EngineHooks
-from ...core.plugins import registry
 from ...core.transport import Transport
 from .key import layout_key
 from .shim import hf_config_dict, post_load
@@ -42,9 +41,7 @@ def serve(
     """
     import sglang
 
-    if isinstance(transport, str):
-        transport = registry().transport(transport)(options=transport_options)
-    endpoint = EngineEndpoint(
+    return EngineEndpoint.serve(
         engine="sglang",
         engine_id=engine_id,
         rank=rank,
@@ -52,11 +49,10 @@ def serve(
         params={name: p.data for name, p in model.named_parameters()},
         layout_key=layout_key(server_args, hf_config_dict(model_config), str(model_config.dtype), sglang.__version__),
         transport=transport,
+        transport_options=transport_options,
         rendezvous=rendezvous,
         hooks=hooks or EngineHooks(post_process=lambda: post_load(model)),
         host=host,
         token=token,
         extra=extra,
     )
-    endpoint.start()
-    return endpoint

@@ -7,7 +7,6 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ...core.endpoint import EngineEndpoint, EngineHooks
-from ...core.plugins import registry
 from ...core.transport import Transport
 
 if TYPE_CHECKING:
@@ -39,14 +38,12 @@ def serve(
     layout key is a digest of every name, shape and dtype, so engines built from
     the same model class and config share one layout.
     """
-    if isinstance(transport, str):
-        transport = registry().transport(transport)(options=transport_options)
     rename = name_map.__getitem__ if isinstance(name_map, Mapping) else (name_map or (lambda n: n))
     params = {rename(name): p.data for name, p in module.named_parameters()}
     fingerprint = hashlib.sha256(
         repr(sorted((n, tuple(t.shape), str(t.dtype)) for n, t in params.items())).encode()
     ).hexdigest()[:16]
-    endpoint = EngineEndpoint(
+    return EngineEndpoint.serve(
         engine="torch",
         engine_id=engine_id,
         rank=rank,
@@ -54,10 +51,9 @@ def serve(
         params=params,
         layout_key={"params": fingerprint},
         transport=transport,
+        transport_options=transport_options,
         rendezvous=rendezvous,
         hooks=hooks,
         host=host,
         token=token,
     )
-    endpoint.start()
-    return endpoint

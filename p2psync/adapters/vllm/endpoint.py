@@ -10,7 +10,6 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ...core.endpoint import EngineEndpoint, EngineHooks
-from ...core.plugins import registry
 from ...core.transport import Transport
 from . import shim
 
@@ -30,15 +29,13 @@ def serve(
     transport: Transport | str,
     hooks: EngineHooks | None = None,
     host: str = "127.0.0.1",
-    token: str = "",
+    token: str | None = None,
     transport_options: Mapping[str, Any] | None = None,
 ) -> EngineEndpoint:
     """Register the rank's parameters, publish its table (vLLM names, vLLM layout key) and
     serve control calls. The parameters must be those vLLM loads into, before any
     post-processing that changes their bytes or storage."""
-    if isinstance(transport, str):
-        transport = registry().transport(transport)(options=transport_options)
-    endpoint = EngineEndpoint(
+    return EngineEndpoint.serve(
         engine="vllm",
         engine_id=engine_id,
         rank=rank,
@@ -46,10 +43,9 @@ def serve(
         params={name: p.data for name, p in model.named_parameters()},
         layout_key=shim.layout_key(vllm_config),
         transport=transport,
+        transport_options=transport_options,
         rendezvous=rendezvous,
         hooks=hooks,
         host=host,
         token=token,
     )
-    endpoint.start()
-    return endpoint
