@@ -66,7 +66,7 @@ class TestSglangEngine(EngineTargetTests):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["mooncake"])
+@pytest.mark.parametrize("transport", ["mooncake", "nixl", "samehost"])
 class TestFSDP2ToSglang(RoundTripTests):
     conformance = {"trainer": "fsdp2", "engine": "sglang"}
 
