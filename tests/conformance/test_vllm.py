@@ -41,7 +41,7 @@ class TestVllmEngine(EngineTargetTests):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["mooncake"])
+@pytest.mark.parametrize("transport", ["mooncake", "nixl", "samehost"])
 class TestFSDP2ToVllm(RoundTripTests):
     conformance = {"trainer": "fsdp2", "engine": "vllm"}
 
