@@ -86,8 +86,21 @@ def init_world(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
+def hide_cuda_only_kernels() -> None:
+    """Make `flash_mla` absent on a machine without CUDA.
+
+    sglang's environment installs flash_mla, a CUDA-only kernel package: without a CUDA
+    driver its import raises OSError, while Megatron's attention module imports it
+    expecting only ImportError. On a CPU machine the kernel cannot run anyway."""
+    import sys
+
+    if not torch.cuda.is_available():
+        sys.modules.setdefault("flash_mla", None)  # `import flash_mla` now raises ImportError
+
+
 def megatron_model(case: Case) -> Any:
     """This rank's GPTModel of `case` (model parallel state initialized here)."""
+    hide_cuda_only_kernels()
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
