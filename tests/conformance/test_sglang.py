@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the sglang te
 from sglang_e2e import TP as E2E_TP  # noqa: E402
 from sglang_e2e import engine_config, engine_ids, engine_rank, trainer  # noqa: E402
 from sglang_models import sglang_rank  # noqa: E402
+from test_builtin import TRANSPORTS, need  # noqa: E402
 
 from p2psync.conformance import EngineCase, EngineTargetTests, RoundTripTests  # noqa: E402
 from p2psync.demo import DemoOptions, launch  # noqa: E402
@@ -66,12 +67,14 @@ class TestSglangEngine(EngineTargetTests):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["mooncake", "nixl", "samehost"])
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
 class TestFSDP2ToSglang(RoundTripTests):
     conformance = {"trainer": "fsdp2", "engine": "sglang"}
 
     @pytest.fixture
     def round_trip(self, transport, tmp_path):
+        need(TRANSPORTS[transport], f"transport {transport}")
+
         def go():
             opts = DemoOptions(
                 size="tiny", trainers=2, engines=2 * E2E_TP, updates=2, transport=transport,

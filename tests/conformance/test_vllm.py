@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the vLLM test
 
 import torch  # noqa: E402
 from vllm_e2e import VllmE2EOptions, engine_config, engine_rank_main, trainer_main  # noqa: E402
+from test_builtin import TRANSPORTS, need  # noqa: E402
 from vllm_helpers import checkpoint, engine_rank, vllm_loaded  # noqa: E402
 
 from p2psync.adapters.vllm.target import VllmEngineTarget  # noqa: E402
@@ -41,12 +42,14 @@ class TestVllmEngine(EngineTargetTests):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["mooncake", "nixl", "samehost"])
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
 class TestFSDP2ToVllm(RoundTripTests):
     conformance = {"trainer": "fsdp2", "engine": "vllm"}
 
     @pytest.fixture
     def round_trip(self, transport, tmp_path):
+        need(TRANSPORTS[transport], f"transport {transport}")
+
         def go():
             opts = VllmE2EOptions(
                 size="tiny", trainers=2, engines=4, tp=2, updates=2, transport=transport,
