@@ -11,9 +11,11 @@ never does.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -52,6 +54,7 @@ def version() -> str:
 def _config_dir(config_json: str) -> str:
     """A directory holding only `config.json`, kept for the process's life (vLLM reads it lazily)."""
     path = tempfile.mkdtemp(prefix="p2psync-vllm-config-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         f.write(config_json)
     return path
