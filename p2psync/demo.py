@@ -87,6 +87,11 @@ def greedy(model: Any, tokens: int = 8) -> list[int]:
     return out[0, len(PROMPT):].tolist()
 
 
+def engine_ids(opts: DemoOptions) -> list[str]:
+    """The ids of the demo's engines (engine process `i` serves `engine-{i}`)."""
+    return [f"engine-{i}" for i in range(opts.engines)]
+
+
 def start_engine(index: int, opts: DemoOptions, port: int) -> tuple[Any, EngineEndpoint]:
     """Build engine `index`'s model in this process and serve it (with a `generate` route);
     return the model and its endpoint."""
@@ -159,7 +164,7 @@ def trainer_main(rank: int, opts: DemoOptions, port: int, results: Any) -> None:
 
     rendezvous, model = start_trainer(rank, opts, port)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engines = [f"engine-{i}" for i in range(opts.engines)]
+    engines = engine_ids(opts)
     session = Session(
         source=FSDP2Source(model), transport=opts.transport, rendezvous=rendezvous,
         bucket_bytes=opts.bucket_bytes, transfer_timeout=opts.transfer_timeout, check=opts.check,

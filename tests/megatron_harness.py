@@ -8,20 +8,20 @@ that the source's output can be compared with the HF state dict bit for bit.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from p2psync.demo import CONFIGS
 
 HF_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2": dict(
         vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
     ),
-    "qwen3": dict(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
-    ),
+    "qwen3": CONFIGS["tiny"],  # the demo's model: what the torch and sglang test engines build
     "qwen3_moe": dict(
         vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
@@ -98,8 +98,9 @@ def hide_cuda_only_kernels() -> None:
         sys.modules.setdefault("flash_mla", None)  # `import flash_mla` now raises ImportError
 
 
-def megatron_model(case: Case) -> Any:
-    """This rank's GPTModel of `case` (model parallel state initialized here)."""
+def megatron_model(case: Case, hf: Mapping[str, Any] | None = None) -> Any:
+    """This rank's GPTModel of `case` (model parallel state initialized here), shaped as the HF
+    config `hf` (default: `HF_CONFIGS[case.arch]`)."""
     hide_cuda_only_kernels()
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
@@ -110,7 +111,7 @@ def megatron_model(case: Case) -> Any:
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(case.tp, case.pp, expert_model_parallel_size=case.ep,
                                  expert_tensor_parallel_size=case.etp)
-    hf = HF_CONFIGS[case.arch]
+    hf = HF_CONFIGS[case.arch] if hf is None else hf
     moe = case.arch == "qwen3_moe"
     config = TransformerConfig(
         num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
@@ -234,36 +235,51 @@ def perturb(model: Any, seed: int) -> None:
             p.add_(torch.randn(p.shape, generator=generator) * 0.01)
 
 
-def e2e_trainer(rank: int, opts: Any, port: int, results: Any) -> None:
-    """A Megatron TP=`opts.trainers` trainer rank for `p2psync.demo.launch`: load the demo's
-    Qwen3 weights, then perturb and sync twice; rank 0 dumps the HF tensors it last sent."""
+def megatron_trainer(hf: Any, arch: str, join: Callable[[], None]) -> tuple[Any, Callable[[int], None]]:
+    """A Megatron-Core trainer rank, TP over the world that `join` joins, holding the weights of the
+    transformers model `hf` (so that engines built from the same model agree on every shape): its
+    source and its training step (`perturb`)."""
+    import torch.distributed as dist
+
+    from p2psync.adapters.megatron import MegatronSource
+
+    tensors = checkpoint(hf)  # before joining: transformers saves differently once torch.distributed is up
+    join()
+    model = megatron_model(Case(arch, tp=dist.get_world_size()), hf.config.to_dict())
+    load_hf(model, tensors, arch)
+    return MegatronSource(model, arch), lambda step: perturb(model, seed=step)
+
+
+def e2e_trainer(rank: int, opts: Any, port: int, results: Any, engine_ids: Callable[[Any], Sequence[str]]) -> None:
+    """A Megatron TP=`opts.trainers` trainer rank for `p2psync.demo.launch` (bind `engine_ids` with
+    functools.partial): start from the demo's Qwen3 of `opts.size`, the model the engines build, then
+    perturb and sync into `engine_ids(opts)` `opts.updates` times; rank 0 dumps the HF tensors it last sent."""
     from pathlib import Path
 
     import torch.distributed as dist
 
-    from p2psync.adapters.megatron import MegatronSource
     from p2psync.core.rendezvous import Rendezvous
     from p2psync.core.session import Session
+    from p2psync.demo import build_model
 
-    hf = checkpoint(hf_model("qwen3", seed=0))
     torch.set_num_threads(1)
     rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id=opts.job_id)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"gloo/{opts.job_id}", rendezvous._root),
-                            rank=rank, world_size=opts.trainers)
-    model = megatron_model(Case("qwen3", tp=opts.trainers))
-    load_hf(model, hf, "qwen3")
-    source = MegatronSource(model, "qwen3")
+    source, step = megatron_trainer(build_model(opts.size, seed=0), "qwen3", lambda: dist.init_process_group(
+        "gloo", store=dist.PrefixStore(f"gloo/{opts.job_id}", rendezvous._root), rank=rank, world_size=opts.trainers))
+    engines = list(engine_ids(opts))
+    for engine in engines:  # engine ranks that build a real engine's model take longer than connect waits
+        rendezvous.read_engine(engine, timeout=600)
     session = Session(source=source, transport=opts.transport, rendezvous=rendezvous,
                       bucket_bytes=opts.bucket_bytes, transfer_timeout=opts.transfer_timeout, check=opts.check)
-    session.connect([f"engine-{i}" for i in range(opts.engines)])
+    session.connect(engines)
     reports = []
-    for step in range(opts.updates):
-        perturb(model, seed=step)  # the same on every rank: replicated tensors stay equal, as in training
-        reports.append(session.update(f"step-{step + 1}"))
+    for i in range(opts.updates):
+        step(i)  # the same on every rank: replicated tensors stay equal, as in training
+        reports.append(session.update(f"step-{i + 1}"))
     full = {n: t.clone() for n, t in source.gather([s.name for s in source.param_specs()]).items()}
     if rank == 0:
         torch.save(full, Path(opts.dump_dir) / "trainer.pt")
     session.close()
     dist.destroy_process_group()
     if rank == 0:
-        results.put({"reports": reports})
+        results.put({"reports": reports, "buckets": session.bucket_count})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -28,14 +29,14 @@ class TestMegatronToTorch(RoundTripTests):
         need("transformers", "the Megatron round trip's engines")
         from megatron_harness import e2e_trainer
 
-        from p2psync.demo import DemoOptions, engine_main, launch
+        from p2psync.demo import DemoOptions, engine_ids, engine_main, launch
 
         def go():
             opts = DemoOptions(size="tiny", trainers=2, engines=2, updates=2, transport=transport, progress=False,
                                bucket_bytes=16 << 10, dump_dir=str(tmp_path))
-            result = launch(opts, engine_main, e2e_trainer)
+            result = launch(opts, engine_main, partial(e2e_trainer, engine_ids=engine_ids))
             assert all(r.ok for r in result["reports"]), [r.format() for r in result["reports"]]
             trainer = torch.load(tmp_path / "trainer.pt")
-            return {e: (trainer, torch.load(tmp_path / f"{e}.pt")) for e in ("engine-0", "engine-1")}
+            return {e: (trainer, torch.load(tmp_path / f"{e}.pt")) for e in engine_ids(opts)}
 
         return go
