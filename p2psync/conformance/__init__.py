@@ -11,6 +11,7 @@ trainer x engine x transport table at the end of a run.
 from .base import (
     EngineCase,
     EngineTargetTests,
+    RoundTrip,
     RoundTripTests,
     SourceCase,
     TrainerSourceTests,
@@ -21,6 +22,7 @@ from .base import (
 __all__ = [
     "EngineCase",
     "EngineTargetTests",
+    "RoundTrip",
     "RoundTripTests",
     "SourceCase",
     "TrainerSourceTests",

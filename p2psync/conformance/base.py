@@ -20,6 +20,10 @@ from ..core.types import ParamSpec, TargetParam, TargetTable
 #: Upper bound on how far past its timeout a failing write may return.
 TIMEOUT_MARGIN = 5.0
 
+#: What `RoundTripTests.round_trip` provides: a run returning, per engine rank, (what the engine's
+#: own loader produces from the trainer's last weights, what the rank holds).
+RoundTrip = Callable[[], dict[str, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]]
+
 
 def require_device(device: str, transport: type[Transport] | Transport | None = None) -> None:
     """Skip, with the reason, a variant this machine or this transport cannot run."""
@@ -204,7 +208,7 @@ class RoundTripTests:
     must be equal bit for bit."""
 
     @pytest.fixture
-    def round_trip(self) -> Callable[[], dict[str, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]]:
+    def round_trip(self) -> RoundTrip:
         raise NotImplementedError("subclasses provide round_trip")
 
     def test_every_engine_holds_the_expected_bytes(self, round_trip) -> None:

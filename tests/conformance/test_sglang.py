@@ -1,6 +1,6 @@
 """The sglang engine target through the conformance suite (environment `conformance-sglang`):
-TP rank 1 of 2 (vocabulary padding) with both layouts, and FSDP2 -> 2 sglang engines of TP 2,
-each rank its own process, bit-exact with sglang's own load of the trainer's final weights."""
+TP rank 1 of 2 (vocabulary padding) with both layouts, and FSDP2 or Megatron-Core (TP 2) -> 2 sglang
+engines of TP 2, each rank its own process, bit-exact with sglang's own load of the trainer's final weights."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is n
 
 import json  # noqa: E402
 import sys  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from functools import partial  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -25,7 +27,7 @@ from sglang_e2e import engine_config, engine_ids, engine_rank, trainer  # noqa: 
 from sglang_models import sglang_rank  # noqa: E402
 from test_builtin import TRANSPORTS, need  # noqa: E402
 
-from p2psync.conformance import EngineCase, EngineTargetTests, RoundTripTests  # noqa: E402
+from p2psync.conformance import EngineCase, EngineTargetTests, RoundTrip, RoundTripTests  # noqa: E402
 from p2psync.demo import DemoOptions, launch  # noqa: E402
 from p2psync.core.types import TargetParam, TargetTable  # noqa: E402
 
@@ -66,6 +68,31 @@ class TestSglangEngine(EngineTargetTests):
         return EngineCase(table=table, sources=sources, expected=expected, layout=target.layout)
 
 
+def sglang_round_trip(transport: str, tmp_path: Path, trainer: Callable[..., None]) -> RoundTrip:
+    """2 `trainer` ranks -> 2 sglang engines of TP 2, 2 updates over `transport`: per engine rank,
+    sglang's own load of the trainer's final HF tensors and the bytes the rank holds."""
+
+    def go():
+        opts = DemoOptions(
+            size="tiny", trainers=2, engines=2 * E2E_TP, updates=2, transport=transport,
+            bucket_bytes=64 << 10, progress=False, dump_dir=str(tmp_path),
+        )
+        result = launch(opts, engine_rank, trainer)
+        assert result["buckets"] > 1
+        for report in result["reports"]:
+            assert report.ok and all(e.checked and e.bytes > 0 for e in report.engines.values()), report.format()
+        trainer_tensors = torch.load(tmp_path / "trainer.pt")
+        config = engine_config(opts.size)
+        out = {}
+        for rank in range(E2E_TP):
+            expected, _ = sglang_rank(config, E2E_TP, 1, rank, trainer_tensors)
+            for engine in engine_ids(opts):
+                out[f"{engine}[{rank}]"] = (expected, torch.load(tmp_path / f"{engine}-rank{rank}.pt"))
+        return out
+
+    return go
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", sorted(TRANSPORTS))
 class TestFSDP2ToSglang(RoundTripTests):
@@ -74,23 +101,20 @@ class TestFSDP2ToSglang(RoundTripTests):
     @pytest.fixture
     def round_trip(self, transport, tmp_path):
         need(TRANSPORTS[transport], f"transport {transport}")
+        return sglang_round_trip(transport, tmp_path, trainer)
 
-        def go():
-            opts = DemoOptions(
-                size="tiny", trainers=2, engines=2 * E2E_TP, updates=2, transport=transport,
-                bucket_bytes=64 << 10, progress=False, dump_dir=str(tmp_path),
-            )
-            result = launch(opts, engine_rank, trainer)
-            assert result["buckets"] > 1
-            for report in result["reports"]:
-                assert report.ok and all(e.checked and e.bytes > 0 for e in report.engines.values()), report.format()
-            trainer_tensors = torch.load(tmp_path / "trainer.pt")
-            config = engine_config(opts.size)
-            out = {}
-            for rank in range(E2E_TP):
-                expected, _ = sglang_rank(config, E2E_TP, 1, rank, trainer_tensors)
-                for engine in engine_ids(opts):
-                    out[f"{engine}[{rank}]"] = (expected, torch.load(tmp_path / f"{engine}-rank{rank}.pt"))
-            return out
 
-        return go
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+class TestMegatronToSglang(RoundTripTests):
+    """Megatron-Core TP 2 (dense Qwen3, the demo's tiny model that the sglang ranks build)."""
+
+    conformance = {"trainer": "megatron", "engine": "sglang"}
+
+    @pytest.fixture
+    def round_trip(self, transport, tmp_path):
+        need(TRANSPORTS[transport], f"transport {transport}")
+        need("megatron.core", "the Megatron trainer (extra 'megatron')")
+        from megatron_harness import e2e_trainer
+
+        return sglang_round_trip(transport, tmp_path, partial(e2e_trainer, engine_ids=engine_ids))
