@@ -4,13 +4,15 @@ Engine rank processes: each builds vLLM's model of its TP rank on CPU, creates t
 "p2psync" weight-transfer engine through vLLM's factory (registered by the plugin
 function) and serves vLLM's four worker calls over HTTP, as a vLLM worker's RPCs
 would reach it. Trainer processes: FSDP2 over a transformers model of the same
-config, driving vLLM's trainer-side factory with one client per engine.
+config, or Megatron-Core holding that model's weights, driving vLLM's trainer-side
+factory with one client per engine.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,32 +122,71 @@ class WorkerClient:
         self._all("finish_weight_update", {"weight_version": weight_version})
 
 
-def trainer_main(rank: int, opts: VllmE2EOptions, port: int, results: Any) -> None:
-    from p2psync.adapters.vllm import shim
-
-    shim.import_vllm()  # before any vLLM module: it selects the CPU platform
+def join(rank: int, opts: VllmE2EOptions, port: int) -> tuple[Any, Callable[[], None]]:
+    """This trainer rank's rendezvous, and the call that joins the trainer world through its store."""
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-    from vllm_helpers import hf_model
 
-    from p2psync.adapters.fsdp2 import FSDP2Source
-    from p2psync.adapters.vllm import vllm_plugin
-    from p2psync.adapters.vllm.transfer import EngineClients, P2PSyncTrainerInitInfo
     from p2psync.core.logs import configure
     from p2psync.core.rendezvous import Rendezvous
 
     configure(f"trainer {rank}")
     torch.set_num_threads(1)
     rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id=opts.job_id, timeout=opts.startup_timeout)
-    dist.init_process_group(
-        "gloo", store=dist.PrefixStore(f"gloo/{opts.job_id}", rendezvous._root), rank=rank, world_size=opts.trainers
-    )
+    store = dist.PrefixStore(f"gloo/{opts.job_id}", rendezvous._root)
+    return rendezvous, lambda: dist.init_process_group("gloo", store=store, rank=rank, world_size=opts.trainers)
+
+
+def trainer_main(rank: int, opts: VllmE2EOptions, port: int, results: Any) -> None:
+    """An FSDP2 trainer rank over the engines' model, one AdamW step per update."""
+    from p2psync.adapters.vllm import shim
+
+    shim.import_vllm()  # before any vLLM module: it selects the CPU platform
+    from torch.distributed.fsdp import fully_shard
+    from vllm_helpers import hf_model
+
+    from p2psync.adapters.fsdp2 import FSDP2Source
+
+    rendezvous, join_world = join(rank, opts, port)
+    join_world()
     model = hf_model(KIND, seed=0)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(rank)
+
+    def step(_: int) -> None:
+        batch = torch.randint(0, model.config.vocab_size, (2, 16), generator=generator)
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    send(rank, opts, port, rendezvous, FSDP2Source(model), step, results)
+
+
+def megatron_trainer_main(rank: int, opts: VllmE2EOptions, port: int, results: Any) -> None:
+    """A Megatron-Core trainer rank (TP = `opts.trainers`) holding the engines' model."""
+    from p2psync.adapters.vllm import shim
+
+    shim.import_vllm()  # before any vLLM module: it selects the CPU platform
+    from megatron_harness import megatron_trainer
+    from vllm_helpers import hf_model
+
+    rendezvous, join_world = join(rank, opts, port)
+    source, step = megatron_trainer(hf_model(KIND, seed=0), KIND, join_world)
+    send(rank, opts, port, rendezvous, source, step, results)
+
+
+def send(
+    rank: int, opts: VllmE2EOptions, port: int, rendezvous: Any, source: Any, step: Callable[[int], None], results: Any
+) -> None:
+    """Drive vLLM's trainer-side weight-transfer flow, one client per engine: `step`, then send,
+    `opts.updates` times; rank 0 saves the final HF tensors and reports."""
+    import torch.distributed as dist
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from p2psync.adapters.vllm import vllm_plugin
+    from p2psync.adapters.vllm.transfer import EngineClients, P2PSyncTrainerInitInfo
 
     engine_ids = [f"engine-{i}" for i in range(opts.engines // opts.tp)]
     clients = EngineClients(
@@ -157,17 +198,12 @@ def trainer_main(rank: int, opts: VllmE2EOptions, port: int, results: Any) -> No
         transport=opts.transport, bucket_bytes=opts.bucket_bytes, transfer_timeout=opts.transfer_timeout,
         check=opts.check,
     )
-    sync = WeightTransferTrainerFactory.trainer_init(init, client=clients, source=FSDP2Source(model))
-    generator = torch.Generator().manual_seed(rank)
+    sync = WeightTransferTrainerFactory.trainer_init(init, client=clients, source=source)
     reports = []
-    for step in range(opts.updates):
-        batch = torch.randint(0, model.config.vocab_size, (2, 16), generator=generator)
-        model(input_ids=batch, labels=batch).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        sync.send_weights(f"step-{step + 1}")
+    for i in range(opts.updates):
+        step(i)
+        sync.send_weights(f"step-{i + 1}")
         reports.append(sync.report)
-    source = sync.session.source
     full = {name: t.clone() for name, t in source.gather([s.name for s in source.param_specs()]).items()}
     if rank == 0:
         torch.save(full, Path(opts.dump_dir) / "trainer.pt")
