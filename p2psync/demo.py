@@ -124,12 +124,11 @@ def engine_main(index: int, opts: DemoOptions, port: int, stop: Any) -> None:
     endpoint.close()
 
 
-def start_trainer(rank: int, opts: DemoOptions, port: int) -> tuple[Rendezvous, Any]:
-    """Join the trainer world (gloo on CPU, NCCL on CUDA) as `rank`; return the rendezvous
-    and the FSDP2-sharded model."""
+def join_trainer_world(rank: int, opts: DemoOptions, port: int) -> Rendezvous:
+    """Join the trainer world (gloo on CPU, NCCL on CUDA) as `rank`, through the launcher's
+    rendezvous store (no second port); return the rendezvous."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
     from .core.devices import resolve
     from .core.logs import configure
@@ -142,10 +141,20 @@ def start_trainer(rank: int, opts: DemoOptions, port: int) -> tuple[Rendezvous, 
         torch.cuda.set_device(rank % torch.cuda.device_count())
     rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id=opts.job_id)
     dist.init_process_group(
-        placement.collective_backend, store=torch.distributed.PrefixStore(f"gloo/{opts.job_id}", rendezvous._root),
+        placement.collective_backend, store=dist.PrefixStore(f"gloo/{opts.job_id}", rendezvous._root),
         rank=rank, world_size=opts.trainers,
     )
-    model = build_model(opts.size, seed=0).to(placement.device)
+    return rendezvous
+
+
+def start_trainer(rank: int, opts: DemoOptions, port: int) -> tuple[Rendezvous, Any]:
+    """Join the trainer world as `rank`; return the rendezvous and the FSDP2-sharded model."""
+    from torch.distributed.fsdp import fully_shard
+
+    from .core.devices import resolve
+
+    rendezvous = join_trainer_world(rank, opts, port)
+    model = build_model(opts.size, seed=0).to(resolve(opts.device).device)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)

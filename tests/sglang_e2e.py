@@ -27,6 +27,22 @@ def engine_config(size: str) -> dict[str, Any]:
     return json.loads(config.to_json_string(use_diff=False))
 
 
+def rank_bytes(opts: Any) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    """After a run, per engine rank (`"sglang-0[1]"`): what sglang's own loader makes of the
+    trainer's final HF tensors on that rank, and what the rank held (both read from `opts.dump_dir`)."""
+    import torch
+    from sglang_models import sglang_rank
+
+    dump = Path(opts.dump_dir)
+    trained = torch.load(dump / "trainer.pt")
+    out = {}
+    for rank in range(TP):
+        expected, _ = sglang_rank(engine_config(opts.size), TP, 1, rank, trained)
+        for engine in engine_ids(opts):
+            out[f"{engine}[{rank}]"] = (expected, torch.load(dump / f"{engine}-rank{rank}.pt"))
+    return out
+
+
 def engine_rank(index: int, opts: Any, port: int, stop: Any) -> None:
     """One sglang rank: its model on CPU (parameters prefilled with 0xA5 bytes), served until `stop`."""
     import torch

@@ -32,9 +32,10 @@ passes to the actors through its runtime env):
 Rollout engine i must serve its parameters under engine id `<prefix><i>` (the
 order of `rollout_engines`), or `args.p2psync_engine_ids` lists the ids.
 The trainer source is the registered p2psync TrainerSource named by
-`p2psync_source`, built from the actor's model (the model chunk list for
-Megatron; its first chunk for single-module sources such as fsdp2), or the
-`source=` argument.
+`p2psync_source`, built from the actor's model (for Megatron the model chunk
+list, producing the HF names of the architecture that `model_name` names and
+`args.vocab_size` vocabulary rows; for single-module sources such as fsdp2 its
+one chunk), or the `source=` argument.
 """
 
 from __future__ import annotations
@@ -71,6 +72,18 @@ def setting(args: Any, key: str) -> Any:
     if key in ("host_rendezvous", "check") and isinstance(value, str):
         value = value.lower() not in ("0", "false", "no", "")
     return value
+
+
+def megatron_architecture(model_name: str | None) -> str:
+    """The HF `model_type` whose names the Megatron source produces, from the actors' `model_name`:
+    `type(hf_config).__name__.lower()` (`"qwen3moeconfig"`) unless `--model-name` overrides it."""
+    from ..adapters.megatron.names import ARCHITECTURES
+
+    key = (model_name or "").lower().removesuffix("config").replace("_", "").replace("-", "")
+    for architecture in ARCHITECTURES:
+        if architecture.replace("_", "") == key:
+            return architecture
+    raise ValueError(f"p2psync: no Megatron name table for model_name {model_name!r}; known: {sorted(ARCHITECTURES)}")
 
 
 class P2PSyncUpdateWeight:
@@ -157,11 +170,7 @@ class P2PSyncUpdateWeight:
             is_server=collectives.world_rank() == 0 and setting(self.args, "host_rendezvous"),
         )
         if self._source is None:
-            cls = registry().trainer_source(setting(self.args, "source"))
-            model = self.model
-            if cls.name != "megatron" and isinstance(model, Sequence):
-                (model,) = model  # single-module sources take the one model chunk
-            self._source = cls(model)
+            self._source = self._build_source(registry().trainer_source(setting(self.args, "source")))
         self._session = Session(
             source=self._source,
             transport=setting(self.args, "transport"),
@@ -170,6 +179,16 @@ class P2PSyncUpdateWeight:
             check=setting(self.args, "check"),
         )
         return self._session
+
+    def _build_source(self, cls: type[TrainerSource]) -> TrainerSource:
+        """`cls` over the actor's model: Megatron takes the chunk list, the HF names of `model_name`
+        and the unpadded vocabulary (`args.vocab_size`, set by the actor from the HF config)."""
+        if cls.name == "megatron":  # MegatronSource(model, architecture, *, vocab_size)
+            return cls(self.model, megatron_architecture(self.model_name), vocab_size=getattr(self.args, "vocab_size", None))
+        model = self.model
+        if isinstance(model, Sequence):
+            (model,) = model  # single-module sources take the one model chunk
+        return cls(model)
 
     def close(self) -> None:
         if self._session is not None:
