@@ -8,8 +8,10 @@ that the source's output can be compared with the HF state dict bit for bit.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import torch
@@ -27,6 +29,17 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
         decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
     ),
+    "deepseek_v3": dict(  # MLA; layer 0 dense, layer 1 MoE with a shared expert
+        vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=1, topk_group=1, tie_word_embeddings=False,
+    ),
+}
+
+#: Other layouts of an architecture: HF config changes, by name.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "q_proj": dict(q_lora_rank=None),  # MLA without the query LoRA: one `q_proj`
 }
 
 
@@ -39,26 +52,33 @@ class Case:
     pp: int = 1
     ep: int = 1
     etp: int = 1
+    variant: str = ""  # a key of VARIANTS
 
     @property
     def id(self) -> str:
-        return f"{self.arch}-tp{self.tp}-pp{self.pp}-ep{self.ep}-etp{self.etp}"
+        arch = f"{self.arch}-{self.variant}" if self.variant else self.arch
+        return f"{arch}-tp{self.tp}-pp{self.pp}-ep{self.ep}-etp{self.etp}"
 
 
-def hf_model(arch: str, seed: int) -> Any:
+def hf_config(arch: str, variant: str = "") -> dict[str, Any]:
+    """The tiny HF config of `arch`, changed as `variant` says."""
+    return {**HF_CONFIGS[arch], **(VARIANTS[variant] if variant else {})}
+
+
+def hf_model(arch: str, seed: int, variant: str = "") -> Any:
     """A randomly initialized transformers causal LM of `arch` (no download)."""
     import transformers
 
-    cls = {"qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}[arch]
+    cls = {"qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe", "deepseek_v3": "DeepseekV3"}[arch]
     torch.manual_seed(seed)
-    config = getattr(transformers, f"{cls}Config")(**HF_CONFIGS[arch], max_position_embeddings=256,
+    config = getattr(transformers, f"{cls}Config")(**hf_config(arch, variant), max_position_embeddings=256,
                                                     initializer_range=0.05)
     config._attn_implementation = "eager"
     model = getattr(transformers, f"{cls}ForCausalLM")(config).eval()
-    with torch.no_grad():  # norms start at exactly 1: make them tell layers apart
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
+    with torch.no_grad():  # norms start at 1 and the router's score bias at 0: make them tell layers apart
+        for name, t in chain(model.named_parameters(), model.named_buffers()):
+            if "norm" in name or name.endswith("e_score_correction_bias"):
+                t.add_(torch.randn_like(t) * 0.1)
     return model
 
 
@@ -105,15 +125,16 @@ def megatron_model(case: Case, hf: Mapping[str, Any] | None = None) -> Any:
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(case.tp, case.pp, expert_model_parallel_size=case.ep,
                                  expert_tensor_parallel_size=case.etp)
-    hf = HF_CONFIGS[case.arch] if hf is None else hf
-    moe = case.arch == "qwen3_moe"
-    config = TransformerConfig(
+    hf = hf_config(case.arch, case.variant) if hf is None else hf
+    experts = hf.get("num_experts") or hf.get("n_routed_experts")
+    mla = case.arch == "deepseek_v3"
+    config = (MLATransformerConfig if mla else TransformerConfig)(
         num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
         num_attention_heads=hf["num_attention_heads"], num_query_groups=hf["num_key_value_heads"],
         kv_channels=hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"]),
@@ -125,17 +146,54 @@ def megatron_model(case: Case, hf: Mapping[str, Any] | None = None) -> Any:
         perform_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
         pipeline_dtype=torch.float32, bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
-        **(dict(num_moe_experts=hf["num_experts"], moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        **(dict(num_moe_experts=experts, moe_ffn_hidden_size=hf["moe_intermediate_size"],
                 moe_router_topk=hf["num_experts_per_tok"], moe_token_dispatcher_type="allgather",
-                moe_grouped_gemm=False) if moe else {}),
+                moe_grouped_gemm=False) if experts else {}),
+        **(dict(q_lora_rank=hf["q_lora_rank"], kv_lora_rank=hf["kv_lora_rank"], qk_head_dim=hf["qk_nope_head_dim"],
+                qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"], rope_type="rope",
+                moe_layer_freq=[int(i >= hf["first_k_dense_replace"]) for i in range(hf["num_hidden_layers"])],
+                moe_shared_expert_intermediate_size=hf["moe_intermediate_size"] * hf["n_shared_experts"],
+                moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True) if mla else {}),
     )
-    spec = get_gpt_layer_local_spec(hf["num_experts"] if moe else None, qk_layernorm=case.arch != "qwen2",
-                                    normalization="RMSNorm")
-    return GPTModel(
-        config, spec, vocab_size=hf["vocab_size"], max_sequence_length=256,
-        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=False, position_embedding_type="rope",
-    )
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    with mla_on_cpu(spec) if mla else nullcontext():
+        return GPTModel(
+            config, spec, vocab_size=hf["vocab_size"], max_sequence_length=256,
+            pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=False, position_embedding_type="rope",
+        )
+
+
+@contextmanager
+def mla_on_cpu(spec: Any) -> Iterator[None]:
+    """Let megatron-core 0.16.1 build its MLA layers (local spec) on a machine without CUDA and
+    Transformer Engine. Unpatched it fails three ways, none about a parameter:
+    - the local `DotProductAttention` does not take the `k_channels`/`v_channels` MLA passes (only
+      TE's attention does): the spec gets a parameter-free subclass that accepts them;
+    - MLA's `RotaryEmbedding` ignores `use_cpu_initialization` and asks `torch.cuda.current_device()`;
+    - megatron-core mocks an absent TE, MLA's module believes TE present and calls
+      `isinstance(linear_proj, TELinear)` with the mock: it is told TE's real state."""
+    from unittest import mock
+
+    import megatron.core.transformer.multi_latent_attention as mla
+    from megatron.core.extensions import transformer_engine as te
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLACoreAttention(DotProductAttention):
+        def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
+                     **kwargs: Any) -> None:  # Attention builds it without them first, MLA again with them
+            super().__init__(*args, **kwargs)
+
+    for layer in spec.layer_specs:
+        attention = layer.submodules.self_attention.submodules
+        if attention.core_attention is DotProductAttention:
+            attention.core_attention = MLACoreAttention
+    with mock.patch.object(mla, "HAVE_TE", te.HAVE_TE):
+        if torch.cuda.is_available():
+            yield
+            return
+        with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"):
+            yield
 
 
 def load_hf(model: Any, hf: dict[str, torch.Tensor], arch: str) -> None:
@@ -147,7 +205,8 @@ def load_hf(model: Any, hf: dict[str, torch.Tensor], arch: str) -> None:
     rules = table(arch)
     config = model.config
     local_experts = (config.num_moe_experts or 0) // ps.get_expert_model_parallel_world_size()
-    for name, param in model.named_parameters():
+    buffers = ((n, b) for n, b in model.named_buffers() if canonical(n).name in rules)  # a router's expert bias
+    for name, param in chain(model.named_parameters(), buffers):
         canon = canonical(name)
         rule = rules[canon.name]
         layer = model.decoder.layers[canon.layer].layer_number - 1 if canon.layer is not None else None
@@ -211,12 +270,12 @@ def source_worker(rank: int, world: int, port: int, cases: list[Case], results: 
     import torch.distributed as dist
 
     # transformers saves differently once torch.distributed is up: save before joining the world
-    tensors = {arch: checkpoint(hf_model(arch, seed=7)) for arch in {c.arch for c in cases}}
+    tensors = {(a, v): checkpoint(hf_model(a, seed=7, variant=v)) for a, v in {(c.arch, c.variant) for c in cases}}
     init_world(rank, world, port)
     outcome = {}
     for case in cases:
         try:
-            errors = check_source(case, tensors[case.arch])
+            errors = check_source(case, tensors[case.arch, case.variant])
         except Exception as exc:  # reported per case, the world goes on to the next
             errors = [f"rank {rank}: {type(exc).__name__}: {exc}"]
         everyone: list[Any] = [None] * world

@@ -21,6 +21,11 @@ CASES = [
     Case("qwen2", tp=2, pp=2),
     Case("qwen3_moe", tp=2, ep=2, etp=1),
     Case("qwen3_moe", tp=2, ep=2, etp=2),
+    Case("deepseek_v3"),
+    Case("deepseek_v3", tp=2),
+    Case("deepseek_v3", tp=2, pp=2),
+    Case("deepseek_v3", tp=2, ep=2),
+    Case("deepseek_v3", tp=2, variant="q_proj"),
 ]
 
 
