@@ -10,12 +10,14 @@ class EngineReport:
     """One engine's part of an update.
 
     `seconds` runs from the start of the update to the last write that landed on
-    the engine; `bytes` counts what all senders wrote to all its ranks.
+    the engine; `bytes` counts what all senders wrote to all its ranks, and
+    `rank_bytes` what they wrote to each rank.
     """
 
     engine_id: str
     ok: bool
     bytes: int = 0
+    rank_bytes: dict[int, int] = field(default_factory=dict)
     seconds: float = 0.0
     checked: bool = False
     error: str | None = None

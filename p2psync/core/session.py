@@ -130,6 +130,11 @@ class Session:
         return max((g.nbytes for work in self._work for _, groups in work for g in groups), default=0)
 
     @property
+    def sent_bytes(self) -> int:
+        """Bytes this rank wrote to engines in the last update."""
+        return sum(w.progress.bytes for w in self._writers.values())
+
+    @property
     def bucket_count(self) -> int:
         """How many buckets one update gathers (known after `connect`)."""
         return len(self._buckets)
@@ -351,7 +356,7 @@ class Session:
             self._verify(produced)
 
         mine = {
-            engine: (w.progress.bytes, (w.progress.last_done or start) - start, w.progress.error)
+            engine: (w.progress.rank_bytes, (w.progress.last_done or start) - start, w.progress.error)
             for engine, w in self._writers.items()
         }
         report = self._report(version, start, collectives.all_gather(mine), failed)
@@ -460,16 +465,18 @@ class Session:
         self,
         version: str,
         start: float,
-        per_rank: list[dict[str, tuple[int, float, str | None]]],
+        per_rank: list[dict[str, tuple[dict[int, int], float, str | None]]],
         failed: dict[str, str],
     ) -> UpdateReport | None:
         if self.rank != 0:
             return None
         engines = {e: EngineReport(e, ok=e not in failed, error=failed.get(e)) for e in self.tables}
         for statuses in per_rank:
-            for engine, (nbytes, seconds, error) in statuses.items():
+            for engine, (rank_bytes, seconds, error) in statuses.items():
                 report = engines[engine]
-                report.bytes += nbytes
+                for rank, nbytes in rank_bytes.items():
+                    report.bytes += nbytes
+                    report.rank_bytes[rank] = report.rank_bytes.get(rank, 0) + nbytes
                 report.seconds = max(report.seconds, seconds)
                 if error and report.error is None:
                     report.ok, report.error = False, error

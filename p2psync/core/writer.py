@@ -53,6 +53,8 @@ class EngineProgress:
     bytes: int = 0
     error: str | None = None
     last_done: float | None = None
+    #: Bytes per engine rank: what each rank received (its own shard, not the full tensors).
+    rank_bytes: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -148,4 +150,6 @@ class EngineWriter:
             self.fail(f"{where(job.target.engine_id, job.target.rank)}: {type(exc).__name__}: {exc}")
             return
         self.progress.bytes += job.batch.nbytes
+        rank = job.target.rank
+        self.progress.rank_bytes[rank] = self.progress.rank_bytes.get(rank, 0) + job.batch.nbytes
         self.progress.last_done = time.monotonic()
