@@ -63,8 +63,9 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench import BenchOptions, format_report, run_bench
 
     opts = BenchOptions(
-        size=args.size, trainers=args.trainers, engines=args.engines, updates=args.updates, warmup=args.warmup,
-        transport=args.transport, raw_bytes=args.raw_mib << 20,
+        size=args.size or ("100m" if args.engine == "torch" else "moe"), trainers=args.trainers, engines=args.engines,
+        updates=args.updates, warmup=args.warmup, transport=args.transport, raw_bytes=args.raw_mib << 20,
+        engine=args.engine, engine_tp=args.engine_tp,
     )
     result = run_bench(opts)
     print(json.dumps(result, indent=2) if args.json else format_report(result))
@@ -85,10 +86,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--transport", default="mooncake")
     demo.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto")
     demo.set_defaults(func=_demo)
+    from .bench.engines import KINDS
+    from .bench.model import MOE_CONFIGS
     from .demo import CONFIGS
 
     bench = sub.add_parser("bench", help="p2psync vs the torch.distributed broadcast path on this machine, timed")
-    bench.add_argument("--size", default="100m", choices=sorted(CONFIGS), help="model size (default 100m)")
+    bench.add_argument(
+        "--engine", default="torch", choices=KINDS,
+        help="engine ranks: torch (default: the demo's dense Qwen3, full tensors per engine) or sglang "
+        "(sglang's own TP ranks of a Qwen3-MoE in bfloat16; needs sglang 0.5.23 installed)",
+    )
+    bench.add_argument("--engine-tp", type=int, default=2, help="TP ranks per sglang engine (default 2)")
+    bench.add_argument(
+        "--size", choices=sorted(CONFIGS) + sorted(MOE_CONFIGS),
+        help=f"model size: {', '.join(sorted(CONFIGS))} for torch engines (default 100m), "
+        f"{', '.join(sorted(MOE_CONFIGS))} (Qwen3-MoE) for sglang (default moe)",
+    )
     bench.add_argument("--trainers", type=int, default=2)
     bench.add_argument("--engines", type=int, default=2)
     bench.add_argument("--updates", type=int, default=3, help="timed updates per way (the median is reported)")

@@ -222,9 +222,12 @@ def run(opts: DemoOptions) -> dict[str, Any]:
     return launch(opts, engine_main, trainer_main)
 
 
-def launch(opts: DemoOptions, engine: Callable[..., None], trainer: Callable[..., None]) -> Any:
-    """Host the rendezvous, start `engine(index, opts, port, stop)` and `trainer(rank, opts,
-    port, results)` processes, return what trainer rank 0 puts in `results`, stop everything.
+def launch(
+    opts: DemoOptions, engine: Callable[..., None], trainer: Callable[..., None], engine_processes: int | None = None
+) -> Any:
+    """Host the rendezvous, start `engine(index, opts, port, stop)` (`engine_processes` of them,
+    default `opts.engines`) and `trainer(rank, opts, port, results)` processes, return what
+    trainer rank 0 puts in `results`, stop everything.
 
     Raises RuntimeError if any process failed.
     """
@@ -235,7 +238,8 @@ def launch(opts: DemoOptions, engine: Callable[..., None], trainer: Callable[...
     port = server.port
     stop = ctx.Event()
     results = ctx.Queue()
-    engines = [ctx.Process(target=engine, args=(i, opts, port, stop), name=f"engine-{i}") for i in range(opts.engines)]
+    count = opts.engines if engine_processes is None else engine_processes
+    engines = [ctx.Process(target=engine, args=(i, opts, port, stop), name=f"engine-{i}") for i in range(count)]
     trainers = [ctx.Process(target=trainer, args=(r, opts, port, results), name=f"trainer-{r}") for r in range(opts.trainers)]
     for p in engines + trainers:
         p.start()

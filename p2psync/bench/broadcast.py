@@ -1,13 +1,15 @@
 """The broadcast path of miles, slime and verl: trainer rank 0 gathers each bucket of full
-tensors and broadcasts every tensor with torch.distributed to every engine rank.
+tensors, casts them to the engines' dtype and broadcasts every tensor with
+torch.distributed to every engine rank, which loads it (keeping its shard).
 
 The broadcast group is a standalone gloo group of trainer rank 0 (group rank 0) and
-engine `i` (group rank 1 + i), built on the job's rendezvous store; the trainer's
-default process group is left alone. Engines learn the order of tensors from the
-rendezvous, then follow the commands trainer rank 0 broadcasts: receive an update
-(each tensor into a fresh tensor, then copied into its parameter, as a torch
-engine's loader does with a full tensor), zero the parameters (so that a
-verification after the next update proves that update delivered them), or stop.
+engine-rank process `i` (group rank 1 + i), built on the job's rendezvous store; the
+trainer's default process group is left alone. Engine ranks learn the tensors (name,
+shape, dtype sent) from the rendezvous, then follow the commands trainer rank 0
+broadcasts: receive an update (each bucket into fresh tensors, then handed to the
+rank's loader: a torch engine copies, an sglang rank runs its `load_weights`), zero
+the parameters (so that a verification after the next update proves that update
+delivered them), or stop.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.buckets import make_buckets
 from ..core.layout import ParamGroup
+from ..core.types import ParamSpec, numel
 
 if TYPE_CHECKING:
     import torch
@@ -28,6 +31,7 @@ if TYPE_CHECKING:
     from ..core.source import TrainerSource
 
 ORDER_KEY = "bench/broadcast/order"
+Load = Callable[[Sequence[tuple[str, "torch.Tensor"]]], None]
 UPDATE, ZERO, STOP = 1, 2, 3
 
 
@@ -35,6 +39,16 @@ def buckets_of(source: TrainerSource, bucket_bytes: int) -> list[list[str]]:
     """The trainer's HF tensors in gather order, packed up to `bucket_bytes`."""
     specs = source.param_specs()
     return make_buckets(specs, [ParamGroup((s.name,), (s.name,), s.nbytes) for s in specs], bucket_bytes)
+
+
+def sent_bytes(source: TrainerSource, dtype: str | None) -> int:
+    """Bytes of one copy of every HF tensor in the dtype the broadcast sends (`None`: the trainer's)."""
+    import torch
+
+    def size(spec: ParamSpec) -> int:
+        return spec.nbytes if dtype is None else numel(spec.shape) * getattr(torch, dtype).itemsize
+
+    return sum(size(s) for s in source.param_specs())
 
 
 def sends_per_member(size: int) -> list[int]:
@@ -49,18 +63,25 @@ def sends_per_member(size: int) -> list[int]:
     return sends
 
 
-def leader_group(rendezvous: Rendezvous, buckets: Sequence[Sequence[str]], engines: int, timeout: float) -> Any:
-    """On trainer rank 0: publish the order of tensors and join the broadcast group."""
-    rendezvous.set(ORDER_KEY, json.dumps(buckets))
-    return _group(rendezvous, 0, engines, timeout)
+def leader_group(
+    rendezvous: Rendezvous, source: TrainerSource, buckets: Sequence[Sequence[str]], dtype: str | None,
+    members: int, timeout: float,
+) -> Any:
+    """On trainer rank 0: publish the tensors (name, shape, dtype sent) bucket by bucket and
+    join the broadcast group."""
+    specs = {s.name: s for s in source.param_specs()}
+    order = [[[n, list(specs[n].shape), dtype or specs[n].dtype] for n in names] for names in buckets]
+    rendezvous.set(ORDER_KEY, json.dumps(order))
+    return _group(rendezvous, 0, members, timeout)
 
 
-def _group(rendezvous: Rendezvous, rank: int, engines: int, timeout: float) -> Any:
-    """The gloo broadcast group: trainer rank 0 joins as 0, engine i as 1 + i. Blocks until all joined."""
+def _group(rendezvous: Rendezvous, rank: int, members: int, timeout: float) -> Any:
+    """The gloo broadcast group: trainer rank 0 joins as 0, engine-rank process i of `members`
+    as 1 + i. Blocks until all joined."""
     import torch.distributed as dist
 
     store = dist.PrefixStore("bench/broadcast/gloo", rendezvous.store)
-    return dist.ProcessGroupGloo(store, rank, 1 + engines, timedelta(seconds=timeout))
+    return dist.ProcessGroupGloo(store, rank, 1 + members, timedelta(seconds=timeout))
 
 
 def _broadcast(pg: Any, tensors: Sequence[torch.Tensor]) -> None:
@@ -94,16 +115,20 @@ def stop(pg: Any) -> None:
 
 
 def send_update(
-    source: TrainerSource, buckets: Sequence[Sequence[str]], pg: Any | None, progress: Callable[[], object]
+    source: TrainerSource, buckets: Sequence[Sequence[str]], pg: Any | None, progress: Callable[[], object],
+    dtype: str | None = None,
 ) -> None:
     """One update from the trainer side. Every trainer rank gathers (a collective);
-    the rank holding `pg` broadcasts. Returns once the engines hold every tensor."""
+    the rank holding `pg` casts to `dtype` and broadcasts. Returns once the engines hold every tensor."""
+    import torch
+
+    cast = None if dtype is None else getattr(torch, dtype)
     if pg is not None:
         _command(pg, UPDATE)
     for names in buckets:
         tensors = source.gather(names)
         if pg is not None:
-            _broadcast(pg, [tensors[n].contiguous() for n in names])
+            _broadcast(pg, [tensors[n].to(cast).contiguous() for n in names])
         del tensors
         progress()
     if pg is not None:
@@ -111,7 +136,8 @@ def send_update(
 
 
 def timed_update(
-    source: TrainerSource, buckets: Sequence[Sequence[str]], pg: Any | None, progress: Callable[[], object]
+    source: TrainerSource, buckets: Sequence[Sequence[str]], pg: Any | None, progress: Callable[[], object],
+    dtype: str | None = None,
 ) -> float:
     """Seconds of one broadcast update, from after a trainer barrier until the engines hold
     it (on the rank with `pg`); with `pg` None on every rank, of the gathers alone."""
@@ -119,35 +145,36 @@ def timed_update(
 
     dist.barrier()
     start = time.monotonic()
-    send_update(source, buckets, pg, progress)
+    send_update(source, buckets, pg, progress, dtype)
     return time.monotonic() - start
 
 
-def _receive_update(pg: Any, params: Mapping[str, torch.Tensor], buckets: Sequence[Sequence[str]]) -> None:
-    """One update on an engine: receive each bucket and copy every tensor into its parameter."""
+def _receive_update(pg: Any, load: Load, buckets: Sequence[Sequence[tuple[str, list[int], str]]]) -> None:
+    """One update on an engine rank: receive each bucket into fresh tensors and load them."""
     import torch
 
-    for names in buckets:
-        received = [torch.empty_like(params[n]) for n in names]
+    for tensors in buckets:
+        received = [torch.empty(shape, dtype=getattr(torch, dtype)) for _, shape, dtype in tensors]
         _broadcast(pg, received)
-        for name, tensor in zip(names, received):
-            params[name].copy_(tensor)
+        load([(name, tensor) for (name, _, _), tensor in zip(tensors, received)])
     pg.barrier().wait()
 
 
 def engine_loop(
-    rendezvous: Rendezvous, index: int, engines: int, params: Mapping[str, torch.Tensor], done: Any, timeout: float
+    rendezvous: Rendezvous, index: int, members: int, params: Mapping[str, torch.Tensor], load: Load, done: Any,
+    timeout: float,
 ) -> None:
-    """Engine `index` of `engines`: wait for the trainer's order of tensors (or for `done`
-    to be set), join the group, and follow trainer rank 0's commands until told to stop."""
+    """Engine-rank process `index` of `members`: wait for the trainer's tensors (or for `done`
+    to be set), join the group, and follow trainer rank 0's commands until told to stop;
+    `load` takes each received bucket, `params` are zeroed on command."""
     while not rendezvous.store.check([ORDER_KEY]):
         if done.wait(0.2):
             return
     buckets = json.loads(rendezvous.get(ORDER_KEY))
-    pg = _group(rendezvous, 1 + index, engines, timeout)
+    pg = _group(rendezvous, 1 + index, members, timeout)
     while (command := _command(pg)) != STOP:
         if command == UPDATE:
-            _receive_update(pg, params, buckets)
+            _receive_update(pg, load, buckets)
         elif command == ZERO:
             for tensor in params.values():
                 tensor.zero_()

@@ -61,19 +61,26 @@ def _bytes(n: int) -> str:
 
 def format_report(result: dict[str, Any]) -> str:
     """The run as a table, one row per way, then the machine's limits."""
-    model = result["model"]
+    model, engine = result["model"], result["engine"]
     lines = [
-        f"model {model['size']}: {model['parameters']:,} parameters, {_bytes(model['bytes'])} ({model['dtype']}); "
-        f"{result['trainers']} FSDP2 trainer ranks -> {result['engines']} torch engines (1 rank each); "
-        f"transport {result['transport']['name']} ({result['transport']['protocol']}); "
-        f"median of {result['updates']} updates after {result['warmup']} warm-up",
-        f"  {'way':<10} {'s/update':>9} {'GB/s':>6}  {'sent per sender':<36} {'received per engine rank':<36} verified",
+        (
+            f"model {model['size']}: {model['parameters']:,} parameters, {_bytes(model['bytes'])} ({model['dtype']}); "
+            f"{result['trainers']} FSDP2 trainer ranks -> {result['engines']} {engine['kind']} engines "
+            f"({engine['tp']} rank{'s' if engine['tp'] > 1 else ''} each, {engine['dtype']} dtype); "
+            f"transport {result['transport']['name']} ({result['transport']['protocol']}); "
+            f"median of {result['updates']} updates after {result['warmup']} warm-up"
+        ),
+        (
+            f"  {'way':<10} {'s/update':>9} {'(min-max)':>13} {'GB/s':>6}  {'sent per sender':<36} "
+            f"{'received per engine rank':<36} verified"
+        ),
     ]
     for name, way in result["ways"].items():
         sent = ", ".join(f"{k} {_bytes(v)}" for k, v in way["bytes_per_sender"].items())
         received = ", ".join(f"{k} {_bytes(v)}" for k, v in way["bytes_per_engine_rank"].items())
+        spread = f"({min(way['seconds_all']):.2f}-{max(way['seconds_all']):.2f})"
         lines.append(
-            f"  {name:<10} {way['seconds']:>9.3f} {way['gbps']:>6.2f}  {sent:<36} {received:<36} "
+            f"  {name:<10} {way['seconds']:>9.3f} {spread:>13} {way['gbps']:>6.2f}  {sent:<36} {received:<36} "
             + ("yes" if way["verified"] else f"NO: {way['mismatches'][:3]}")
         )
     lines.append(
@@ -81,12 +88,13 @@ def format_report(result: dict[str, Any]) -> str:
         f"the FSDP2 gathers alone (paid by both ways): {result['gather_seconds']:.3f} s per update"
     )
     for trainer, m in result.get("trainer_memory", {}).items():
-        beyond = m["peak_bytes"] - m["before_sync_bytes"]
+        added = m["p2p_peak_bytes"] - m["p2p_before_bytes"]
         bound = m["transfer_buffers_bytes"] + m["largest_group_bytes"] + m["bucket_bytes"]
         lines.append(
-            f"  {trainer} peak RSS added by syncing (after connect): {_bytes(beyond)}; bound: 2 transfer buffers "
+            f"  {trainer} peak RSS added by p2psync's first update: {_bytes(added)}; bound: 2 transfer buffers "
             f"{_bytes(m['transfer_buffers_bytes'])} + largest group {_bytes(m['largest_group_bytes'])} + one gathered "
-            f"bucket {_bytes(m['bucket_bytes'])} = {_bytes(bound)} ({'within' if beyond <= bound else 'OVER'})"
+            f"bucket {_bytes(m['bucket_bytes'])} = {_bytes(bound)} ({'within' if added <= bound else 'OVER'}); "
+            f"the broadcast path's first update: {_bytes(m['broadcast_peak_bytes'] - m['broadcast_before_bytes'])}"
         )
     machine = result["limits"]
     memcpy, raw = machine["memcpy"], machine["raw_transport"]

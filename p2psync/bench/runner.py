@@ -1,5 +1,5 @@
-"""Runs the bench: the demo's engines and FSDP2 trainer ranks, synced by p2psync and by
-the broadcast path, interleaved round by round, each timed and verified.
+"""Runs the bench: engine ranks (see `engines`) and FSDP2 trainer ranks, synced by p2psync
+and by the broadcast path, interleaved round by round and timed, then verified.
 
 Trainer rank 0 times both ways; the machine's limits are measured first, in a
 process of their own, while nothing else of the bench runs.
@@ -8,7 +8,6 @@ process of their own, while nothing else of the bench runs.
 from __future__ import annotations
 
 import os
-import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -16,19 +15,24 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..core.types import ParamSpec, numel
-from ..demo import DemoOptions, launch, start_engine, start_trainer
-from . import broadcast, limits, verify
+from ..demo import DemoOptions, launch
+from . import broadcast, engines, limits, rss, verify
 from .report import Way, summary
 
 if TYPE_CHECKING:
     from ..core.report import UpdateReport
+    from ..core.session import Session
+    from ..core.source import TrainerSource
 
 
 @dataclass
 class BenchOptions(DemoOptions):
-    """What one bench run does: the demo's model, trainers, engines and transport, plus
-    untimed warm-up updates per way and the size of the raw throughput measurements."""
+    """What one bench run does: the demo's model, trainers, engines and transport, the engine
+    kind (`engines.KINDS`) and its ranks per engine, untimed warm-up updates per way and
+    the size of the raw throughput measurements."""
 
+    engine: str = "torch"
+    engine_tp: int = 2
     warmup: int = 1
     raw_bytes: int = 512 << 20
     check: bool = False
@@ -41,22 +45,19 @@ GROUP_TIMEOUT = 600.0
 
 
 def bench_engine(index: int, opts: BenchOptions, port: int, stop: Any) -> None:
-    """A demo engine that also takes part in the broadcast path; served until `stop`."""
-    _, endpoint = start_engine(index, opts, port)
-    broadcast.engine_loop(endpoint.rendezvous, index, opts.engines, endpoint.params, stop, GROUP_TIMEOUT)
+    """Engine-rank process `index`, also a member of the broadcast path; served until `stop`."""
+    rank = engines.start_rank(index, opts, port)
+    endpoint = rank.endpoint
+    members = opts.engines * engines.tp(opts)
+    broadcast.engine_loop(endpoint.rendezvous, index, members, endpoint.params, rank.load, stop, GROUP_TIMEOUT)
     stop.wait()
     endpoint.close()
-
-
-def _peak_rss() -> int:
-    """This process's peak resident memory so far, in bytes (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _setup(
     opts: BenchOptions, specs: list[ParamSpec], transport: dict[str, Any], gathers: list[float]
 ) -> dict[str, Any]:
-    """What was measured: model, layout, transport, counts, and the gathers' own time."""
+    """What was measured: model, layouts, transport, counts, and the gathers' own time."""
     return {
         "model": {
             "size": opts.size,
@@ -66,6 +67,7 @@ def _setup(
         },
         "trainers": opts.trainers,
         "engines": opts.engines,
+        "engine": {"kind": opts.engine, "tp": engines.tp(opts), "dtype": engines.broadcast_dtype(opts) or "trainer's"},
         "transport": {"name": transport["transport"], "protocol": transport.get("protocol", "-")},
         "updates": opts.updates,
         "warmup": opts.warmup,
@@ -75,30 +77,33 @@ def _setup(
 
 
 def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> None:
-    """A demo trainer rank. Each round runs one p2psync update, one broadcast update and
-    the FSDP2 gathers alone (what both ways pay), interleaved so that the machine's load
-    drifts over all three alike. Before the last update of each way the engines zero
-    their parameters, and after it they must hold the trainer's bytes."""
+    """A trainer rank. Each round runs one p2psync update, one broadcast update and the
+    FSDP2 gathers alone (what both ways pay), interleaved so that the machine's load
+    drifts over all three alike. A last, untimed round verifies: engines zeroed, a
+    p2psync update with its digest check, the digests of every engine parameter; engines
+    zeroed again, a broadcast update, and every parameter must hold the same bytes."""
     import torch.distributed as dist
     from tqdm import tqdm
 
-    from ..adapters.fsdp2 import FSDP2Source
     from ..core.session import Session
 
-    rendezvous, model = start_trainer(rank, opts, port)
-    source = FSDP2Source(model)
-    engines = [f"engine-{i}" for i in range(opts.engines)]
+    rendezvous, source = engines.start_trainer(rank, opts, port)
+    ids = engines.engine_ids(opts)
+    for engine in ids:  # engine ranks build their models first: wait longer than connect does
+        rendezvous.read_engine(engine, timeout=GROUP_TIMEOUT)
     session = Session(
         source=source, transport=opts.transport, rendezvous=rendezvous, bucket_bytes=opts.bucket_bytes,
         transfer_timeout=opts.transfer_timeout, check=opts.check,
     )
-    session.connect(engines)
-    held_before = _peak_rss()  # model, transport libraries, untouched buffers: what syncing starts from
+    session.connect(ids)
     buckets = broadcast.buckets_of(source, opts.bucket_bytes)
-    pg = broadcast.leader_group(rendezvous, buckets, opts.engines, GROUP_TIMEOUT) if rank == 0 else None
+    dtype = engines.broadcast_dtype(opts)
+    members = opts.engines * engines.tp(opts)
+    pg = broadcast.leader_group(rendezvous, source, buckets, dtype, members, GROUP_TIMEOUT) if rank == 0 else None
     rounds = opts.warmup + opts.updates
     bar = tqdm(
-        total=rounds * (session.bucket_count + 2 * len(buckets)), unit="bucket", disable=rank != 0 or not opts.progress
+        total=(rounds + 1) * (session.bucket_count + len(buckets)) + rounds * len(buckets), unit="bucket",
+        disable=rank != 0 or not opts.progress,
     )
     reports: list[UpdateReport] = []
 
@@ -111,74 +116,91 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
 
     steps: dict[str, Callable[[], float]] = {
         "p2p": p2p,
-        "broadcast": lambda: broadcast.timed_update(source, buckets, pg, bar.update),
+        "broadcast": lambda: broadcast.timed_update(source, buckets, pg, bar.update, dtype),
         "gathers": lambda: broadcast.timed_update(source, buckets, None, bar.update),
     }
     seconds: dict[str, list[float]] = {name: [] for name in steps}
-    wrong: dict[str, list[str]] = {}
+    memory: dict[str, int] = {}
     for i in range(rounds):
         for name, step in steps.items():
             bar.set_description(name)
-            last = i == rounds - 1 and name != "gathers"
-            if last and pg is not None:
-                broadcast.zero(pg)
+            if i == 0 and name != "gathers":  # the first update of each way touches its memory first
+                memory[f"{name}_before_bytes"] = rss.reset_peak()
             seconds[name].append(step())
-            if last:
-                wrong[name] = verify.mismatches(
-                    source, buckets, rendezvous, engines, is_caller=rank == 0, timeout=opts.transfer_timeout
-                )
+            if i == 0 and name != "gathers":
+                memory[f"{name}_peak_bytes"] = rss.peak()
+    bar.set_description("verify")
+    wrong = _verify(session, source, buckets, pg, p2p, dtype, bar.update, rank == 0)
     bar.close()
     if pg is not None:
         broadcast.stop(pg)
-    memory = {
-        "before_sync_bytes": held_before,
-        "peak_bytes": _peak_rss(),
-        "transfer_buffers_bytes": session.buffer_bytes,
-        "largest_group_bytes": session.largest_group_bytes,
-        "bucket_bytes": opts.bucket_bytes,
-    }
+    memory.update(
+        transfer_buffers_bytes=session.buffer_bytes,
+        largest_group_bytes=session.largest_group_bytes,
+        bucket_bytes=opts.bucket_bytes,
+    )
     memories = [None] * opts.trainers
     dist.all_gather_object(memories, memory)
+    sent: list[int] = [0] * opts.trainers
+    dist.all_gather_object(sent, session.sent_bytes)
     dist.barrier()  # every trainer rank is done before any tears down
     transport = session.transport.describe()
-    assert session.plan is not None
-    load = session.plan.load
     session.close()
     dist.destroy_process_group()
     if rank == 0:
         timed = {name: s[opts.warmup :] for name, s in seconds.items()}
         specs = source.param_specs()
-        ways = _ways(opts, specs, timed, load, reports[-1], wrong)
+        ways = _ways(opts, timed, sent, reports[-1], wrong, broadcast.sent_bytes(source, dtype))
         setup = _setup(opts, specs, transport, timed["gathers"])
         setup["trainer_memory"] = {f"trainer-{r}": m for r, m in enumerate(memories)}
         results.put({"setup": setup, "ways": ways})
 
 
+def _verify(
+    session: Session, source: TrainerSource, buckets: list[list[str]], pg: Any | None, p2p: Callable[[], float],
+    dtype: str | None, progress: Callable[[], object], is_leader: bool,
+) -> dict[str, list[str]]:
+    """The untimed verification round (see `bench_trainer`); the parameters each way got wrong.
+    Collective over the trainer world; p2psync's check raises if it fails."""
+    import torch.distributed as dist
+
+    ids = list(session.tables)
+    timeout = session.transfer_timeout
+    if pg is not None:
+        broadcast.zero(pg)
+    checking, session.check = session.check, True
+    p2p()
+    session.check = checking
+    expected = verify.held(session.rendezvous, ids, timeout=timeout) if is_leader else {}
+    if pg is not None:
+        broadcast.zero(pg)
+    dist.barrier()
+    broadcast.send_update(source, buckets, pg, progress, dtype)
+    got = verify.held(session.rendezvous, ids, timeout=timeout) if is_leader else {}
+    return {"p2p": [], "broadcast": verify.mismatches(expected, got)}
+
+
 def _ways(
-    opts: BenchOptions, specs: list[ParamSpec], timed: dict[str, list[float]], load: dict[int, int],
-    last: UpdateReport, wrong: dict[str, list[str]],
+    opts: BenchOptions, timed: dict[str, list[float]], sent: list[int], last: UpdateReport,
+    wrong: dict[str, list[str]], model_bytes: int,
 ) -> dict[str, Way]:
-    """Both ways' results. p2psync's bytes are what its plan gave each sender and what
-    its last update wrote to each engine; the broadcast delivers the whole model to
-    every engine, sent by trainer rank 0 and, past two engines, relayed by some engines."""
-    model_bytes = sum(s.nbytes for s in specs)
-    engines = [f"engine-{i}" for i in range(opts.engines)]
-    sends = broadcast.sends_per_member(1 + opts.engines)
+    """Both ways' results. p2psync's bytes are what each trainer rank wrote and what each
+    engine rank received in its last update; the broadcast delivers the whole model (in
+    the dtype it sends, `model_bytes`) to every engine rank, sent by trainer rank 0 and,
+    past two engine ranks, relayed by some of them."""
+    ranks = [engines.member(opts, i) for i in range(opts.engines * engines.tp(opts))]
+    names = [f"{engine}/{rank}" for engine, rank in ranks]
+    sends = broadcast.sends_per_member(1 + len(ranks))
     broadcast_senders = {f"trainer-{r}": sends[0] * model_bytes if r == 0 else 0 for r in range(opts.trainers)}
-    broadcast_senders.update({f"{e} (relay)": n * model_bytes for e, n in zip(engines, sends[1:]) if n})
+    broadcast_senders.update({f"{name} (relay)": n * model_bytes for name, n in zip(names, sends[1:]) if n})
     return {
         "p2p": Way(
             timed["p2p"],
-            {f"trainer-{r}": nbytes for r, nbytes in sorted(load.items())},
-            {engine: e.bytes for engine, e in sorted(last.engines.items())},
+            {f"trainer-{r}": nbytes for r, nbytes in enumerate(sent)},
+            {f"{engine}/{rank}": last.engines[engine].rank_bytes.get(rank, 0) for engine, rank in ranks},
             wrong["p2p"],
         ),
-        "broadcast": Way(
-            timed["broadcast"],
-            broadcast_senders,
-            dict.fromkeys(engines, model_bytes),
-            wrong["broadcast"],
-        ),
+        "broadcast": Way(timed["broadcast"], broadcast_senders, dict.fromkeys(names, model_bytes), wrong["broadcast"]),
     }
 
 
@@ -187,6 +209,10 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
 
     Raises RuntimeError if a process failed or an update left an engine stale.
     """
+    if opts.engine not in engines.KINDS:
+        raise ValueError(f"unknown engine kind {opts.engine!r}; choose one of {engines.KINDS}")
+    if opts.size not in engines.sizes(opts.engine):
+        raise ValueError(f"{opts.engine} engines run sizes {engines.sizes(opts.engine)}, not {opts.size!r}")
     machine = limits.measure_apart(opts.raw_bytes, opts.transport)
-    outcome = launch(opts, bench_engine, bench_trainer)
+    outcome = launch(opts, bench_engine, bench_trainer, engine_processes=opts.engines * engines.tp(opts))
     return summary(outcome["setup"], outcome["ways"], machine)

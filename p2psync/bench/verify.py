@@ -1,40 +1,32 @@
-"""Do the engines hold the trainer's bytes? Digests of every parameter, trainer vs engine."""
+"""Do the engines hold the trainer's bytes? Digests of every parameter of every engine rank.
+
+p2psync's own check (`Session(check=True)`) compares each rank's bytes with what
+its layout produced from the trainer's tensors; after the broadcast path (engine
+parameters zeroed first) every rank must hold exactly those bytes again.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from ..core.digest import byte_view, digest
 from ..core.endpoint import EndpointControl
 from ..core.rendezvous import Rendezvous
-from ..core.source import TrainerSource
 from ..core.types import Region
 
 
-def mismatches(
-    source: TrainerSource, buckets: Sequence[Sequence[str]], rendezvous: Rendezvous, engines: Sequence[str],
-    *, is_caller: bool, timeout: float,
-) -> list[str]:
-    """Names (`engine/rank/param`) whose bytes differ from the trainer's full tensor.
-
-    Collective over the trainer world (every rank gathers); only the rank with
-    `is_caller` asks the engines and returns the answer, the others return [].
-    """
-    expected: dict[str, str] = {}
-    for names in buckets:
-        for name, tensor in source.gather(names).items():
-            if is_caller:
-                data = byte_view(tensor.contiguous())
-                expected[name] = digest(data, [(0, len(data))])
-    if not is_caller:
-        return []
+def held(rendezvous: Rendezvous, engines: Sequence[str], *, timeout: float) -> dict[str, str]:
+    """Digest of every parameter each rank of `engines` holds, keyed `engine/rank/param`."""
     token = rendezvous.token()
-    wrong = []
+    out = {}
     for engine in engines:
         tables = rendezvous.read_engine(engine)
         control = EndpointControl(tables, timeout=timeout, token=token)
         for table in tables:
             regions = {p.name: [Region(p.name, 0, 0, p.nbytes)] for p in table.params}
-            held = control.digests(table.rank, regions)
-            wrong += [f"{engine}/{table.rank}/{n}" for n, d in expected.items() if held.get(n) != d]
-    return wrong
+            out.update({f"{engine}/{table.rank}/{n}": d for n, d in control.digests(table.rank, regions).items()})
+    return out
+
+
+def mismatches(expected: Mapping[str, str], got: Mapping[str, str]) -> list[str]:
+    """Keys whose digests differ (or are missing from `got`)."""
+    return sorted(k for k, d in expected.items() if got.get(k) != d)

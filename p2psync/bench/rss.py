@@ -1,0 +1,29 @@
+"""Resident memory of this process, from Linux's /proc: now, and the peak since a reset.
+
+`ru_maxrss` only ever grows, so a peak reached while connecting (a copy map's
+probes) would hide what an update adds; writing 5 to clear_refs restarts the peak
+(VmHWM) from the current resident size.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _status(field: str) -> int:
+    """A `/proc/self/status` field in bytes (the kernel reports kB)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak() -> int:
+    """Restart the peak from now; return the resident bytes now."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status("VmRSS")
+
+
+def peak() -> int:
+    """The most resident bytes since the last `reset_peak`."""
+    return _status("VmHWM")
