@@ -42,3 +42,10 @@ class Layout(ABC):
         what the engine's own loader would write is produced: padding it leaves
         alone is not part of any region.
         """
+
+    def copy_dtype(self, group: ParamGroup) -> str | None:
+        """The dtype of all of `group`'s outputs when `fill` only copies input elements into
+        them (casting to it, plus constants): then inputs cast to that dtype before the
+        trainer gathers them give the same bytes, and the gather moves fewer. None (the
+        default) where the bytes are computed from the inputs in their own dtype."""
+        return None

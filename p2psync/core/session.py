@@ -44,6 +44,25 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def _narrower_dtypes(specs: Mapping[str, ParamSpec], reads: Sequence[tuple[Layout, ParamGroup]]) -> dict[str, str]:
+    """HF tensors to gather in a narrower dtype: those that every group reading them only
+    copies into parameters of one dtype (`Layout.copy_dtype`) with fewer bytes per
+    element than the trainer's. Every rank of a sender group computes the same map."""
+    import torch
+
+    wanted: dict[str, set[str | None]] = defaultdict(set)
+    for layout, group in reads:
+        dtype = layout.copy_dtype(group)
+        for name in group.inputs:
+            wanted[name].add(dtype)
+    out = {}
+    for name, dtypes in wanted.items():
+        dtype = dtypes.pop() if len(dtypes) == 1 else None
+        if dtype is not None and getattr(torch, dtype).itemsize < getattr(torch, specs[name].dtype).itemsize:
+            out[name] = dtype
+    return out
+
+
 @dataclass
 class _Unit:
     """Targets of one layout key and rank that this sender serves: their bytes are
@@ -118,6 +137,7 @@ class Session:
         self._pool: BufferPool | None = None
         self._buckets: list[list[str]] = []
         self._work: list[list[tuple[_Unit, list[ParamGroup]]]] = []
+        self._gather_dtypes: dict[str, str] = {}
 
     @property
     def buffer_bytes(self) -> int:
@@ -133,6 +153,11 @@ class Session:
     def sent_bytes(self) -> int:
         """Bytes this rank wrote to engines in the last update."""
         return sum(w.progress.bytes for w in self._writers.values())
+
+    @property
+    def write_intervals(self) -> list[tuple[float, float]]:
+        """(start, end) of every write this rank made in the last update (monotonic clock)."""
+        return sorted(i for w in self._writers.values() for i in w.progress.intervals)
 
     @property
     def bucket_count(self) -> int:
@@ -209,6 +234,7 @@ class Session:
                     served.setdefault(unit, _Unit(unit, units[unit].layout)).tables.append(table)
 
         all_groups = [g for groups in groups_of.values() for g in groups]
+        self._gather_dtypes = _narrower_dtypes(mine, [(units[u].layout, g) for u, gs in groups_of.items() for g in gs])
         self._buckets = make_buckets(list(mine.values()), all_groups, self.bucket_bytes, self.source.bucket_kind)
         bucket_of = {name: i for i, names in enumerate(self._buckets) for name in names}
         self._work = [[] for _ in self._buckets]
@@ -344,7 +370,8 @@ class Session:
 
         produced: dict[str, dict[str, _Produced]] = defaultdict(dict)
         for i, names in enumerate(self._buckets):
-            tensors = self.source.gather(names)
+            casts = {n: self._gather_dtypes[n] for n in names if n in self._gather_dtypes}
+            tensors = self.source.gather_cast(names, casts)
             for unit, groups in self._work[i]:
                 self._send(unit, groups, tensors, produced[unit.unit])
             del tensors

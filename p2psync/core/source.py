@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from .types import ParamSpec, SenderGroup
@@ -34,6 +34,14 @@ class TrainerSource(ABC):
     @abstractmethod
     def gather(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """Full HF tensors for `names` (collective over the sender group)."""
+
+    def gather_cast(self, names: Sequence[str], dtypes: Mapping[str, str]) -> dict[str, torch.Tensor]:
+        """`gather`, with the tensors named in `dtypes` cast to those dtypes. Sources that
+        can cast their shards before gathering override this to gather fewer bytes."""
+        import torch
+
+        tensors = self.gather(names)
+        return {n: t.to(getattr(torch, dtypes[n])) if n in dtypes else t for n, t in tensors.items()}
 
     def bucket_kind(self, name: str) -> str:
         """Tensors of different kinds never share a bucket (Megatron gathers experts over

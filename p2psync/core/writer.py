@@ -55,6 +55,8 @@ class EngineProgress:
     last_done: float | None = None
     #: Bytes per engine rank: what each rank received (its own shard, not the full tensors).
     rank_bytes: dict[int, int] = field(default_factory=dict)
+    #: (start, end) of each write that landed, on the monotonic clock: when bytes were moving.
+    intervals: list[tuple[float, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -139,6 +141,7 @@ class EngineWriter:
                         self._idle.set()
 
     def _write(self, job: WriteJob) -> None:
+        start = time.monotonic()
         try:
             job.peer.write(job.batch, timeout=self.timeout)
         except TransferError as exc:
@@ -153,3 +156,4 @@ class EngineWriter:
         rank = job.target.rank
         self.progress.rank_bytes[rank] = self.progress.rank_bytes.get(rank, 0) + job.batch.nbytes
         self.progress.last_done = time.monotonic()
+        self.progress.intervals.append((start, self.progress.last_done))

@@ -110,6 +110,13 @@ class SglangLayout(Layout):
             plan.maps[slot.name].apply(sources, slot.view(out))
         return plan.regions
 
+    def copy_dtype(self, group: ParamGroup) -> str | None:
+        plan = self._plans[group.outputs]
+        dtypes = {slot.dtype for slot in plan.slots}
+        if plan.maps is None or len(dtypes) != 1:
+            return None
+        return str(dtypes.pop()).removeprefix("torch.")
+
     # -- compile ---------------------------------------------------------------------------
 
     def _trace(self, rank_model: RankModel, params: Mapping[str, torch.Tensor], sources: Mapping[str, ParamSpec]) -> dict[str, set[str]]:
