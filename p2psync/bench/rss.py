@@ -27,3 +27,19 @@ def reset_peak() -> int:
 def peak() -> int:
     """The most resident bytes since the last `reset_peak`."""
     return _status("VmHWM")
+
+
+def return_freed_memory() -> None:
+    """Make freed tensors leave RSS. glibc serves blocks below its mmap threshold from the
+    heap and raises that threshold (to 32 MiB) as large blocks are freed, so freed
+    buckets stay resident and RSS counts what malloc keeps besides what is live. A
+    fixed 1 MiB threshold gives every larger tensor its own mapping, unmapped on free.
+    No effect where the C library is not glibc."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_mmap_threshold = -3
+    libc.mallopt(m_mmap_threshold, 1 << 20)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.types import ParamSpec, numel
 from ..demo import DemoOptions, launch
 from . import broadcast, engines, limits, rss, verify
-from .report import Way, summary
+from .report import Way, summary, writing_seconds
 
 if TYPE_CHECKING:
     from ..core.report import UpdateReport
@@ -87,6 +87,7 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
 
     from ..core.session import Session
 
+    rss.return_freed_memory()  # before the model exists: both ways run under the same allocator settings
     rendezvous, source = engines.start_trainer(rank, opts, port)
     ids = engines.engine_ids(opts)
     for engine in ids:  # engine ranks build their models first: wait longer than connect does
@@ -106,12 +107,14 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
         disable=rank != 0 or not opts.progress,
     )
     reports: list[UpdateReport] = []
+    writes: list[list[tuple[float, float]]] = []  # per update, when this rank's writes ran
 
     def p2p() -> float:
         dist.barrier()
         reports.append(session.update(f"bench-{len(reports)}", progress=lambda done, total: bar.update()))
         if not reports[-1].ok:
             raise RuntimeError(reports[-1].format())
+        writes.append(session.write_intervals)
         return reports[-1].seconds
 
     steps: dict[str, Callable[[], float]] = {
@@ -143,6 +146,8 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
     dist.all_gather_object(memories, memory)
     sent: list[int] = [0] * opts.trainers
     dist.all_gather_object(sent, session.sent_bytes)
+    all_writes: list[Any] = [None] * opts.trainers
+    dist.all_gather_object(all_writes, writes[opts.warmup : rounds])
     dist.barrier()  # every trainer rank is done before any tears down
     transport = session.transport.describe()
     session.close()
@@ -153,6 +158,9 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
         ways = _ways(opts, timed, sent, reports[-1], wrong, broadcast.sent_bytes(source, dtype))
         setup = _setup(opts, specs, transport, timed["gathers"])
         setup["trainer_memory"] = {f"trainer-{r}": m for r, m in enumerate(memories)}
+        setup["p2p_writing_seconds"] = [
+            writing_seconds([i for rank in all_writes for i in rank[k]]) for k in range(opts.updates)
+        ]
         results.put({"setup": setup, "ways": ways})
 
 
