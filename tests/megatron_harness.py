@@ -12,11 +12,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from p2psync.demo import CONFIGS
+
+J = TypeVar("J")
 
 HF_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2": dict(
@@ -294,19 +296,19 @@ def perturb(model: Any, seed: int) -> None:
             p.add_(torch.randn(p.shape, generator=generator) * 0.01)
 
 
-def megatron_trainer(hf: Any, arch: str, join: Callable[[], None]) -> tuple[Any, Callable[[int], None]]:
+def megatron_trainer(hf: Any, arch: str, join: Callable[[], J]) -> tuple[J, Any, Callable[[int], None]]:
     """A Megatron-Core trainer rank, TP over the world that `join` joins, holding the weights of the
-    transformers model `hf` (so that engines built from the same model agree on every shape): its
-    source and its training step (`perturb`)."""
+    transformers model `hf` (so that engines built from the same model agree on every shape): what
+    `join` returned, its source and its training step (`perturb`)."""
     import torch.distributed as dist
 
     from p2psync.adapters.megatron import MegatronSource
 
     tensors = checkpoint(hf)  # before joining: transformers saves differently once torch.distributed is up
-    join()
+    joined = join()
     model = megatron_model(Case(arch, tp=dist.get_world_size()), hf.config.to_dict())
     load_hf(model, tensors, arch)
-    return MegatronSource(model, arch), lambda step: perturb(model, seed=step)
+    return joined, MegatronSource(model, arch), lambda step: perturb(model, seed=step)
 
 
 def e2e_trainer(rank: int, opts: Any, port: int, results: Any, engine_ids: Callable[[Any], Sequence[str]]) -> None:
@@ -317,14 +319,12 @@ def e2e_trainer(rank: int, opts: Any, port: int, results: Any, engine_ids: Calla
 
     import torch.distributed as dist
 
-    from p2psync.core.rendezvous import Rendezvous
     from p2psync.core.session import Session
-    from p2psync.demo import build_model
+    from p2psync.demo import build_model, join_trainer_world
 
-    torch.set_num_threads(1)
-    rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id=opts.job_id)
-    source, step = megatron_trainer(build_model(opts.size, seed=0), "qwen3", lambda: dist.init_process_group(
-        "gloo", store=dist.PrefixStore(f"gloo/{opts.job_id}", rendezvous._root), rank=rank, world_size=opts.trainers))
+    rendezvous, source, step = megatron_trainer(
+        build_model(opts.size, seed=0), "qwen3", lambda: join_trainer_world(rank, opts, port)
+    )
     engines = list(engine_ids(opts))
     for engine in engines:  # engine ranks that build a real engine's model take longer than connect waits
         rendezvous.read_engine(engine, timeout=600)

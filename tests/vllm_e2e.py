@@ -122,8 +122,9 @@ class WorkerClient:
         self._all("finish_weight_update", {"weight_version": weight_version})
 
 
-def join(rank: int, opts: VllmE2EOptions, port: int) -> tuple[Any, Callable[[], None]]:
-    """This trainer rank's rendezvous, and the call that joins the trainer world through its store."""
+def join_world(rank: int, opts: VllmE2EOptions, port: int) -> Any:
+    """Join the trainer world through the launcher's store; return this rank's rendezvous (which
+    waits `opts.startup_timeout` for the engine ranks' workers)."""
     import torch.distributed as dist
 
     from p2psync.core.logs import configure
@@ -133,7 +134,8 @@ def join(rank: int, opts: VllmE2EOptions, port: int) -> tuple[Any, Callable[[], 
     torch.set_num_threads(1)
     rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id=opts.job_id, timeout=opts.startup_timeout)
     store = dist.PrefixStore(f"gloo/{opts.job_id}", rendezvous._root)
-    return rendezvous, lambda: dist.init_process_group("gloo", store=store, rank=rank, world_size=opts.trainers)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=opts.trainers)
+    return rendezvous
 
 
 def trainer_main(rank: int, opts: VllmE2EOptions, port: int, results: Any) -> None:
@@ -146,8 +148,7 @@ def trainer_main(rank: int, opts: VllmE2EOptions, port: int, results: Any) -> No
 
     from p2psync.adapters.fsdp2 import FSDP2Source
 
-    rendezvous, join_world = join(rank, opts, port)
-    join_world()
+    rendezvous = join_world(rank, opts, port)
     model = hf_model(KIND, seed=0)
     for layer in model.model.layers:
         fully_shard(layer)
@@ -172,8 +173,7 @@ def megatron_trainer_main(rank: int, opts: VllmE2EOptions, port: int, results: A
     from megatron_harness import megatron_trainer
     from vllm_helpers import hf_model
 
-    rendezvous, join_world = join(rank, opts, port)
-    source, step = megatron_trainer(hf_model(KIND, seed=0), KIND, join_world)
+    rendezvous, source, step = megatron_trainer(hf_model(KIND, seed=0), KIND, lambda: join_world(rank, opts, port))
     send(rank, opts, port, rendezvous, source, step, results)
 
 

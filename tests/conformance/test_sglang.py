@@ -23,8 +23,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the sglang test helpers
 
 from sglang_e2e import TP as E2E_TP  # noqa: E402
-from sglang_e2e import engine_config, engine_ids, engine_rank, trainer  # noqa: E402
-from sglang_models import sglang_rank  # noqa: E402
+from sglang_e2e import engine_ids, engine_rank, rank_bytes, trainer  # noqa: E402
 from test_builtin import TRANSPORTS, need  # noqa: E402
 
 from p2psync.conformance import EngineCase, EngineTargetTests, RoundTrip, RoundTripTests  # noqa: E402
@@ -81,14 +80,7 @@ def sglang_round_trip(transport: str, tmp_path: Path, trainer: Callable[..., Non
         assert result["buckets"] > 1
         for report in result["reports"]:
             assert report.ok and all(e.checked and e.bytes > 0 for e in report.engines.values()), report.format()
-        trainer_tensors = torch.load(tmp_path / "trainer.pt")
-        config = engine_config(opts.size)
-        out = {}
-        for rank in range(E2E_TP):
-            expected, _ = sglang_rank(config, E2E_TP, 1, rank, trainer_tensors)
-            for engine in engine_ids(opts):
-                out[f"{engine}[{rank}]"] = (expected, torch.load(tmp_path / f"{engine}-rank{rank}.pt"))
-        return out
+        return rank_bytes(opts)
 
     return go
 
