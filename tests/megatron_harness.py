@@ -42,6 +42,7 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
 #: Other layouts of an architecture: HF config changes, by name.
 VARIANTS: dict[str, dict[str, Any]] = {
     "q_proj": dict(q_lora_rank=None),  # MLA without the query LoRA: one `q_proj`
+    "dense": dict(first_k_dense_replace=2),  # no MoE layer: Bridge maps only Transformer Engine's expert names
 }
 
 
@@ -245,17 +246,8 @@ def check_source(case: Case, hf: dict[str, torch.Tensor]) -> list[str]:
     model = megatron_model(case)
     load_hf(model, hf, case.arch)
     source = MegatronSource(model, case.arch)
-    errors = []
-    specs = source.param_specs()
-    for spec in specs:
-        want = hf.get(spec.name)
-        if want is None or spec.shape != tuple(want.shape) or spec.dtype != str(want.dtype).removeprefix("torch."):
-            errors.append(f"spec {spec} does not match the HF tensor")
-    names = [s.name for s in specs]
-    for i in range(0, len(names), 5):  # bucket-sized pieces: q/k/v and gate/up get split apart
-        for name, tensor in source.gather(names[i : i + 5]).items():
-            if not torch.equal(tensor, hf[name]):
-                errors.append(f"{name}: gathered tensor differs from the HF tensor")
+    errors = compare(source, hf)
+    names = [s.name for s in source.param_specs()]
     stages = [None] * dist.get_world_size()
     dist.all_gather_object(stages, (ps.get_pipeline_model_parallel_rank(), names))
     if set().union(*(set(n) for _, n in stages)) != set(hf):
@@ -267,8 +259,66 @@ def check_source(case: Case, hf: dict[str, torch.Tensor]) -> list[str]:
     return [f"rank {dist.get_rank()}: {e}" for e in errors]
 
 
-def source_worker(rank: int, world: int, port: int, cases: list[Case], results: Any) -> None:
-    """Run every case in one gloo world; rank 0 reports each case's errors."""
+def compare(source: Any, hf: dict[str, torch.Tensor]) -> list[str]:
+    """How the specs and tensors of `source` differ from the HF checkpoint tensors `hf`."""
+    errors = []
+    specs = source.param_specs()
+    for spec in specs:
+        want = hf.get(spec.name)
+        if want is None or spec.shape != tuple(want.shape) or spec.dtype != str(want.dtype).removeprefix("torch."):
+            errors.append(f"spec {spec} does not match the HF tensor")
+    names = [s.name for s in specs]
+    for i in range(0, len(names), 5):  # bucket-sized pieces: q/k/v and gate/up get split apart
+        for name, tensor in source.gather(names[i : i + 5]).items():
+            if not torch.equal(tensor, hf[name]):
+                errors.append(f"{name}: gathered tensor differs from the HF tensor")
+    return errors
+
+
+def check_bridge(case: Case, hf: dict[str, torch.Tensor]) -> list[str]:
+    """Build `case` (a DeepSeek-V3) on this rank and compare what BridgeSource yields through
+    Megatron-Bridge's own DeepSeek mappings with the HF checkpoint tensors `hf`."""
+    import torch.distributed as dist
+
+    from p2psync.adapters.megatron.bridge import BridgeSource
+
+    model = megatron_model(case)
+    load_hf(model, hf, case.arch)
+    source = BridgeSource(model, bridge_deepseek_registry())  # after the parallel state: mappings take its groups
+    errors = compare(source, hf)
+    if {s.name for s in source.param_specs()} != set(hf):
+        errors.append("the source does not yield every HF tensor on every rank")
+    return [f"rank {dist.get_rank()}: {e}" for e in errors]
+
+
+def bridge_deepseek_registry() -> Any:
+    """Megatron-Bridge's own DeepSeek mapping registry (`deepseek/common.py`, the one that needs no
+    model bridge class). Bridge's package imports Transformer Engine (`peft/lora_layers.py`) though
+    its mappings do not: where TE does not import, Bridge's mapping modules are loaded without the
+    package `__init__`s."""
+    import importlib.util
+    import sys
+    import types
+
+    try:
+        import megatron.bridge  # noqa: F401
+    except ImportError:
+        spec = importlib.util.find_spec("megatron.bridge")
+        assert spec is not None and spec.submodule_search_locations, "megatron-bridge is not installed"
+        root = spec.submodule_search_locations[0]
+        for package in ("", ".models", ".models.conversion", ".models.deepseek"):
+            module = types.ModuleType(f"megatron.bridge{package}")
+            module.__path__ = [root + package.replace(".", "/")]
+            sys.modules[module.__name__] = module
+    from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+    from megatron.bridge.models.deepseek.common import get_common_mapping_list
+
+    return MegatronMappingRegistry(*get_common_mapping_list())
+
+
+def source_worker(rank: int, world: int, port: int, cases: list[Case], results: Any,
+                  check: Callable[[Case, dict[str, torch.Tensor]], list[str]] = check_source) -> None:
+    """Run `check` on every case in one gloo world; rank 0 reports each case's errors."""
     import torch.distributed as dist
 
     # transformers saves differently once torch.distributed is up: save before joining the world
@@ -277,7 +327,7 @@ def source_worker(rank: int, world: int, port: int, cases: list[Case], results: 
     outcome = {}
     for case in cases:
         try:
-            errors = check_source(case, tensors[case.arch, case.variant])
+            errors = check(case, tensors[case.arch, case.variant])
         except Exception as exc:  # reported per case, the world goes on to the next
             errors = [f"rank {rank}: {type(exc).__name__}: {exc}"]
         everyone: list[Any] = [None] * world

@@ -58,7 +58,9 @@ class BridgeSource(TrainerSource):
     """A Megatron-Core model (or its virtual-pipeline chunks) converted by Megatron-Bridge.
 
     `bridge` is the AutoBridge (or model bridge, or mapping registry) the trainer built
-    the model with. Construct on every rank."""
+    the model with. Construct on every rank. A registry passed in must be made after
+    `initialize_model_parallel`: Bridge's mappings take the parallel groups when made; made
+    before, they see one pipeline stage and fail on the stages that lack the tensor."""
 
     name = "megatron-bridge"
     requires = ("megatron.bridge",)
