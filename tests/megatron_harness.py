@@ -29,13 +29,13 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(
         vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
-        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, tie_word_embeddings=False,
     ),
     "deepseek_v3": dict(  # MLA; layer 0 dense, layer 1 MoE with a shared expert
         vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
         first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, n_shared_experts=1,
-        num_experts_per_tok=2, n_group=1, topk_group=1, tie_word_embeddings=False,
+        num_experts_per_tok=2, n_group=1, topk_group=1, routed_scaling_factor=2.5, tie_word_embeddings=False,
     ),
 }
 
@@ -148,7 +148,7 @@ def megatron_model(case: Case, hf: Mapping[str, Any] | None = None) -> Any:
         expert_tensor_parallel_size=case.etp, sequence_parallel=False, use_cpu_initialization=True,
         perform_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
         pipeline_dtype=torch.float32, bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=False, layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
         **(dict(num_moe_experts=experts, moe_ffn_hidden_size=hf["moe_intermediate_size"],
                 moe_router_topk=hf["num_experts_per_tok"], moe_token_dispatcher_type="allgather",
                 moe_grouped_gemm=False) if experts else {}),
@@ -156,7 +156,8 @@ def megatron_model(case: Case, hf: Mapping[str, Any] | None = None) -> Any:
                 qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"], rope_type="rope",
                 moe_layer_freq=[int(i >= hf["first_k_dense_replace"]) for i in range(hf["num_hidden_layers"])],
                 moe_shared_expert_intermediate_size=hf["moe_intermediate_size"] * hf["n_shared_experts"],
-                moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True) if mla else {}),
+                moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                moe_router_topk_scaling_factor=hf["routed_scaling_factor"]) if mla else {}),
     )
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     with mla_on_cpu(spec) if mla else nullcontext():
@@ -275,6 +276,41 @@ def compare(source: Any, hf: dict[str, torch.Tensor]) -> list[str]:
     return errors
 
 
+def check_forward(case: Case, hf: dict[str, torch.Tensor]) -> list[str]:
+    """Megatron's logits with the weights placed by the name table equal transformers' (to float
+    rounding): the table is right in meaning, not only consistent with `load_hf`, its inverse.
+    One rank, no model parallelism."""
+    model = megatron_model(case)
+    load_hf(model, hf, case.arch)
+    reference = hf_model(case.arch, seed=7, variant=case.variant)  # the model `hf` was saved from
+    vocab = hf["model.embed_tokens.weight"].shape[0]
+    ids = torch.randint(0, vocab, (1, 12), generator=torch.Generator().manual_seed(1))
+    causal = torch.ones(1, 1, 12, 12, dtype=torch.bool).triu(1)  # True: masked
+    with torch.no_grad(), forward_on_cpu():
+        got = model.eval()(ids, torch.arange(12)[None], causal)
+        want = reference(input_ids=ids).logits
+    diff = (got - want).abs().max().item()
+    return [] if diff < 1e-5 else [f"Megatron's logits differ from transformers' by up to {diff}"]
+
+
+@contextmanager
+def forward_on_cpu() -> Iterator[None]:
+    """Megatron-Core 0.16.1's forward on CPU: it asks for the CUDA device, forks the CUDA RNG
+    tracker (for dropout, here of probability 0), and its MoE router names `te_general_gemm`,
+    which is unbound without Transformer Engine."""
+    from unittest import mock
+
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+    from megatron.core.transformer.moe import moe_utils
+
+    with (
+        mock.patch.object(torch.cuda, "current_device", lambda: "cpu"),
+        mock.patch.object(CudaRNGStatesTracker, "fork", lambda self, *args, **kwargs: nullcontext()),
+        mock.patch.object(moe_utils, "te_general_gemm", getattr(moe_utils, "te_general_gemm", None), create=True),
+    ):
+        yield
+
+
 def check_bridge(case: Case, hf: dict[str, torch.Tensor]) -> list[str]:
     """Build `case` (a DeepSeek-V3) on this rank and compare what BridgeSource yields through
     Megatron-Bridge's own DeepSeek mappings with the HF checkpoint tensors `hf`."""
@@ -336,6 +372,29 @@ def source_worker(rank: int, world: int, port: int, cases: list[Case], results: 
     if rank == 0:
         results.put(outcome)
     dist.destroy_process_group()
+
+
+def run_world(world: int, cases: list[Case], check: Callable[[Case, dict[str, torch.Tensor]], list[str]]
+              = check_source) -> dict[str, list[str]]:
+    """Each case's errors from `check`, run in one gloo world of `world` fresh processes (torch and
+    megatron import once per process)."""
+    import multiprocessing as mp
+
+    from p2psync.demo import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=source_worker, args=(r, world, port, cases, results, check)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return results.get(timeout=240)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
 
 
 def perturb(model: Any, seed: int) -> None:

@@ -11,7 +11,6 @@ the conversion test loads Bridge's DeepSeek mappings without the package `__init
 from __future__ import annotations
 
 import importlib.util
-import multiprocessing as mp
 
 import pytest
 
@@ -42,22 +41,7 @@ def test_bridge_mappings_yield_the_hf_tensors() -> None:
     PP stage's tensors reach every rank through Bridge's broadcast."""
     pytest.importorskip("megatron.core", reason="the Megatron-Bridge source needs megatron-core")
     pytest.importorskip("transformers", reason="the test compares with a transformers model")
-    from megatron_harness import Case, check_bridge, source_worker
-
-    from p2psync.demo import free_port
+    from megatron_harness import Case, check_bridge, run_world
 
     case = Case("deepseek_v3", tp=2, pp=2, variant="dense")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=source_worker, args=(r, 4, port, [case], results, check_bridge)) for r in range(4)]
-    for p in procs:
-        p.start()
-    try:
-        outcome = results.get(timeout=240)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    assert outcome == {case.id: []}
+    assert run_world(4, [case], check_bridge) == {case.id: []}
