@@ -49,21 +49,29 @@ def writing_seconds(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def summary(setup: dict[str, Any], ways: dict[str, Way], limits: dict[str, Any]) -> dict[str, Any]:
+def summary(
+    setup: dict[str, Any], ways: dict[str, Way], limits: dict[str, Any], limits_after: dict[str, Any]
+) -> dict[str, Any]:
     """The JSON result of a run. p2psync's transfer phase is the time any of its writes was
-    running (they overlap the gathers), its throughput all bytes over that time."""
+    running (they overlap the gathers), its throughput all bytes over that time; it is
+    compared with the mean of the raw throughput measured before and after the syncs."""
     p2p, broadcast = ways["p2p"], ways["broadcast"]
-    raw = limits["raw_transport"]
+    raws = [m["raw_transport"]["gbps"] for m in (limits, limits_after) if m["raw_transport"]]
+    raw = statistics.mean(raws) if raws else None
     writing = statistics.median(setup["p2p_writing_seconds"])
     transfer = sum(p2p.bytes_per_engine_rank.values()) / writing / 1e9
     return {
         **setup,
         "ways": {name: way.to_json() for name, way in ways.items()},
         "ratio_broadcast_over_p2p": broadcast.seconds / p2p.seconds,
+        # each round's broadcast over the same round's p2psync update: the spread of the ratio
+        "ratio_per_round": [b / p for p, b in zip(p2p.seconds_all, broadcast.seconds_all)],
         "limits": limits,
-        "p2p_over_raw_transport": p2p.gbps / raw["gbps"] if raw else None,
+        "limits_after": limits_after,
+        "raw_transport_gbps": raw,
+        "p2p_over_raw_transport": p2p.gbps / raw if raw else None,
         "p2p_transfer_gbps": transfer,
-        "p2p_transfer_over_raw_transport": transfer / raw["gbps"] if raw else None,
+        "p2p_transfer_over_raw_transport": transfer / raw if raw else None,
     }
 
 
@@ -96,30 +104,35 @@ def format_report(result: dict[str, Any]) -> str:
             + ("yes" if way["verified"] else f"NO: {way['mismatches'][:3]}")
         )
     lines.append(
-        f"  broadcast / p2p: {result['ratio_broadcast_over_p2p']:.2f}x; "
+        f"  broadcast / p2p: {result['ratio_broadcast_over_p2p']:.2f}x (round by round "
+        f"{min(result['ratio_per_round']):.2f}-{max(result['ratio_per_round']):.2f}x, median "
+        f"{statistics.median(result['ratio_per_round']):.2f}x); "
         f"the FSDP2 gathers alone as the broadcast path makes them (trainer dtype): {result['gather_seconds']:.3f} s"
     )
     for trainer, m in result.get("trainer_memory", {}).items():
-        added = m["p2p_peak_bytes"] - m["p2p_before_bytes"]
+        added = m["p2p_first_added_bytes"]
         bound = m["transfer_buffers_bytes"] + m["largest_group_bytes"] + m["bucket_bytes"]
         lines.append(
-            f"  {trainer} peak RSS added by p2psync's first update: {_bytes(added)}; bound: 2 transfer buffers "
+            f"  {trainer} peak RSS added by p2psync's first update: {_bytes(added)} (later ones: "
+            f"{_bytes(m.get('p2p_later_added_bytes', 0))}); bound: 2 transfer buffers "
             f"{_bytes(m['transfer_buffers_bytes'])} + largest group {_bytes(m['largest_group_bytes'])} + one gathered "
             f"bucket {_bytes(m['bucket_bytes'])} = {_bytes(bound)} ({'within' if added <= bound else 'OVER'}); "
-            f"the broadcast path's first update: {_bytes(m['broadcast_peak_bytes'] - m['broadcast_before_bytes'])}"
+            f"the broadcast path's: {_bytes(m['broadcast_first_added_bytes'])} (later ones: "
+            f"{_bytes(m.get('broadcast_later_added_bytes', 0))}); the gathers alone: "
+            f"{_bytes(m['gathers_first_added_bytes'])}"
         )
-    machine = result["limits"]
-    memcpy, raw = machine["memcpy"], machine["raw_transport"]
-    limit = (
-        f"  machine (load average {machine['load_average']:.1f} at start): memcpy {memcpy['gbps']:.2f} GB/s "
-        f"({memcpy['threads']} threads, {_bytes(memcpy['bytes'])})"
-    )
-    if raw:
-        limit += (
-            f"; raw {raw['transport']} {raw['protocol']} loopback {raw['gbps']:.2f} GB/s "
-            f"({_bytes(raw['bytes'])} in {_bytes(raw['chunk_bytes'])} writes)"
+    for when, machine in (("before", result["limits"]), ("after", result["limits_after"])):
+        memcpy, raw = machine["memcpy"], machine["raw_transport"]
+        limit = (
+            f"  machine {when} the syncs (load average {machine['load_average']:.1f}): memcpy {memcpy['gbps']:.2f} "
+            f"GB/s ({memcpy['threads']} threads, {_bytes(memcpy['bytes'])})"
         )
-    lines.append(limit)
+        if raw:
+            limit += (
+                f"; raw {raw['transport']} {raw['protocol']} loopback {raw['gbps']:.2f} GB/s "
+                f"({_bytes(raw['bytes'])} in {_bytes(raw['chunk_bytes'])} writes)"
+            )
+        lines.append(limit)
     writing = result["p2p_writing_seconds"]
     transfer = (
         f"  p2p transfer phase (while any write ran: {min(writing):.2f}-{max(writing):.2f} s per update): "
@@ -127,7 +140,7 @@ def format_report(result: dict[str, Any]) -> str:
     )
     if raw:
         transfer += (
-            f", {result['p2p_transfer_over_raw_transport']:.0%} of raw; "
+            f", {result['p2p_transfer_over_raw_transport']:.0%} of raw (mean of before and after); "
             f"whole update at {result['p2p_over_raw_transport']:.0%} of raw"
         )
     lines.append(transfer)

@@ -123,15 +123,15 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
         "gathers": lambda: broadcast.timed_update(source, buckets, None, bar.update),
     }
     seconds: dict[str, list[float]] = {name: [] for name in steps}
+    # RSS each way's update adds: its first (touching its buffers first), and the most of any later one
     memory: dict[str, int] = {}
     for i in range(rounds):
         for name, step in steps.items():
             bar.set_description(name)
-            if i == 0 and name != "gathers":  # the first update of each way touches its memory first
-                memory[f"{name}_before_bytes"] = rss.reset_peak()
+            before = rss.reset_peak()
             seconds[name].append(step())
-            if i == 0 and name != "gathers":
-                memory[f"{name}_peak_bytes"] = rss.peak()
+            key = f"{name}_{'first' if i == 0 else 'later'}_added_bytes"
+            memory[key] = max(memory.get(key, 0), rss.peak() - before)
     bar.set_description("verify")
     wrong = _verify(session, source, buckets, pg, p2p, dtype, bar.update, rank == 0)
     bar.close()
@@ -213,7 +213,8 @@ def _ways(
 
 
 def run_bench(opts: BenchOptions) -> dict[str, Any]:
-    """Measure the machine's limits, then both ways; return the JSON-ready result.
+    """Measure the machine's limits, both ways, and the limits again (the load of a shared
+    machine drifts); return the JSON-ready result.
 
     Raises RuntimeError if a process failed or an update left an engine stale.
     """
@@ -221,6 +222,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         raise ValueError(f"unknown engine kind {opts.engine!r}; choose one of {engines.KINDS}")
     if opts.size not in engines.sizes(opts.engine):
         raise ValueError(f"{opts.engine} engines run sizes {engines.sizes(opts.engine)}, not {opts.size!r}")
-    machine = limits.measure_apart(opts.raw_bytes, opts.transport)
+    before = limits.measure_apart(opts.raw_bytes, opts.transport)
     outcome = launch(opts, bench_engine, bench_trainer, engine_processes=opts.engines * engines.tp(opts))
-    return summary(outcome["setup"], outcome["ways"], machine)
+    after = limits.measure_apart(opts.raw_bytes, opts.transport)
+    return summary(outcome["setup"], outcome["ways"], before, after)
