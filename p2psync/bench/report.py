@@ -113,7 +113,8 @@ def format_report(result: dict[str, Any]) -> str:
         added = m["p2p_first_added_bytes"]
         bound = m["transfer_buffers_bytes"] + m["largest_group_bytes"] + m["bucket_bytes"]
         lines.append(
-            f"  {trainer} peak RSS added by p2psync's first update: {_bytes(added)} (later ones: "
+            f"  {trainer} peak RSS added by p2psync's first update: {_bytes(added)} (kept after it: "
+            f"{_bytes(m.get('p2p_first_kept_bytes', 0))}; later ones: "
             f"{_bytes(m.get('p2p_later_added_bytes', 0))}); bound: 2 transfer buffers "
             f"{_bytes(m['transfer_buffers_bytes'])} + largest group {_bytes(m['largest_group_bytes'])} + one gathered "
             f"bucket {_bytes(m['bucket_bytes'])} = {_bytes(bound)} ({'within' if added <= bound else 'OVER'}); "

@@ -21,6 +21,11 @@ def _status(field: str) -> int:
 def reset_peak() -> int:
     """Restart the peak from now; return the resident bytes now."""
     Path("/proc/self/clear_refs").write_text("5")
+    return now()
+
+
+def now() -> int:
+    """The resident bytes now."""
     return _status("VmRSS")
 
 

@@ -132,6 +132,8 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
             seconds[name].append(step())
             key = f"{name}_{'first' if i == 0 else 'later'}_added_bytes"
             memory[key] = max(memory.get(key, 0), rss.peak() - before)
+            if i == 0:
+                memory[f"{name}_first_kept_bytes"] = rss.now() - before  # still resident after it
     bar.set_description("verify")
     wrong = _verify(session, source, buckets, pg, p2p, dtype, bar.update, rank == 0)
     bar.close()
