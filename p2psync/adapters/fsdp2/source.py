@@ -75,11 +75,14 @@ class FSDP2Source(TrainerSource):
 
     def gather_cast(self, names: Sequence[str], dtypes: Mapping[str, str]) -> dict[str, torch.Tensor]:
         """Parameters sharded on dim 0 over a 1-D mesh (what `fully_shard` makes) are cast
-        shard by shard, then gathered all at once, one asynchronous all-gather each,
-        waited for together: a blocking `full_tensor()` per parameter pays a collective's
-        round trip per parameter, much of a bucket's gather time on a MoE model's many
-        expert tensors. Others are gathered by `full_tensor()` first, in order, on every
-        rank alike, and cast after."""
+        shard by shard, then gathered with one coalesced all-gather per mesh group and
+        dtype: a blocking `full_tensor()` per parameter pays a collective's round trip per
+        parameter, much of a bucket's gather time on a MoE model's many expert tensors.
+        Not one asynchronous all-gather per parameter: gloo's worker threads drop a
+        finished work's tensors just after completing it, and with hundreds in flight a
+        drop still pending at interpreter exit aborted a trainer process. Not mixed dtypes
+        in one coalesced gloo all-gather either: their bytes came back wrong. Others are
+        gathered by `full_tensor()` first, in order, on every rank alike, and cast after."""
         import torch
         from torch.distributed.tensor import DTensor
 
@@ -87,19 +90,16 @@ class FSDP2Source(TrainerSource):
             return tensor.to(getattr(torch, dtypes[name])) if name in dtypes else tensor
 
         out: dict[str, torch.Tensor] = {}
-        batched = []
+        packs: dict[tuple[Any, torch.dtype], list[tuple[str, Any, torch.Tensor]]] = {}
         for name in names:
             data = self._params[name].detach()
             if isinstance(data, DTensor) and _dim0_sharded(data):
-                batched.append((name, data))
+                local = cast(name, data.to_local())
+                packs.setdefault((data.device_mesh.get_group(), local.dtype), []).append((name, data.shape, local))
             else:
                 out[name] = cast(name, data.full_tensor() if isinstance(data, DTensor) else data)
-        works = []
-        for name, data in batched:
-            out[name], work = _all_gather_dim0(data, cast(name, data.to_local()))
-            works.append(work)
-        for work in works:
-            work.wait()
+        for (group, _), shards in packs.items():
+            out.update(_all_gather_dim0(group, shards))
         return {name: out[name] for name in names}
 
 
@@ -109,22 +109,26 @@ def _dim0_sharded(data: Any) -> bool:
     return data.device_mesh.ndim == 1 and tuple(data.placements) == (Shard(0),) and data.dim() > 0
 
 
-def _all_gather_dim0(data: Any, local: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """Start gathering `local`, this rank's shard of DTensor `data` (sharded on dim 0 as
-    `torch.chunk` splits it, FSDP2's sharding: chunks of ceil(rows / world) rows, the
-    last ones shorter or empty); return the full tensor (valid once the work is waited
-    for) and the work."""
+def _all_gather_dim0(group: Any, shards: list[tuple[str, Any, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Gather (name, full shape, this rank's shard) of tensors sharded on dim 0 as
+    `torch.chunk` splits them (FSDP2's sharding: chunks of ceil(rows / world) rows, the
+    last ones shorter or empty) with one coalesced all-gather; return the full tensors."""
     import torch.distributed as dist
 
-    group = data.device_mesh.get_group()
     world = dist.get_world_size(group)
-    rows = data.shape[0]
-    chunk = -(-rows // world)
-    if local.shape[0] == chunk:
-        send = local.contiguous()
-    else:
-        send = local.new_zeros((chunk, *data.shape[1:]))
-        send[: local.shape[0]] = local
-    full = send.new_empty((chunk * world, *data.shape[1:]))
-    work = dist.all_gather_into_tensor(full, send, group=group, async_op=True)
-    return full[:rows], work
+    sends, fulls = [], []
+    for _, shape, local in shards:
+        chunk = -(-shape[0] // world)
+        if local.shape[0] == chunk:
+            send = local.contiguous()
+        else:
+            send = local.new_zeros((chunk, *shape[1:]))
+            send[: local.shape[0]] = local
+        sends.append(send)
+        fulls.append(send.new_empty((chunk * world, *shape[1:])))
+    # torch 2.13: gloo and NCCL run the recorded all-gathers as one coalesced work
+    with dist._coalescing_manager(group, async_ops=True) as coalesced:
+        for full, send in zip(fulls, sends):
+            dist.all_gather_into_tensor(full, send, group=group)
+    coalesced.wait()
+    return {name: full[: shape[0]] for (name, shape, _), full in zip(shards, fulls)}
