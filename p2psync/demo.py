@@ -244,7 +244,7 @@ def launch(
     for p in engines + trainers:
         p.start()
     try:
-        outcome = _wait_for_result(results, trainers)
+        outcome = _wait_for_result(results, trainers + engines)  # a dead engine fails the run now, not at a timeout
     finally:
         stop.set()
         for p in engines + trainers:
@@ -257,13 +257,13 @@ def launch(
     return outcome
 
 
-def _wait_for_result(results: Any, trainers: list[Any]) -> Any:
+def _wait_for_result(results: Any, processes: list[Any]) -> Any:
     import queue
 
     while True:
         try:
             return results.get(timeout=1.0)
         except queue.Empty:
-            dead = [p for p in trainers if p.exitcode not in (None, 0)]
+            dead = [p for p in processes if p.exitcode not in (None, 0)]
             if dead:
                 raise RuntimeError(", ".join(f"{p.name} exited with {p.exitcode}" for p in dead)) from None
