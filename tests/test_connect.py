@@ -218,14 +218,22 @@ def test_an_engine_registers_exactly_its_parameter_memory():
 
 
 def test_engine_options_reach_the_engine_target():
+    from dataclasses import dataclass
+
     from p2psync.core.plugins import Registry
 
-    seen = {}
+    seen = []
+
+    @dataclass(frozen=True)
+    class LayoutChoice:
+        layout: str = "copy"
 
     class Recording(TorchEngineTarget):
+        Options = LayoutChoice
+
         def __init__(self, **options):
-            seen.update(options)
             super().__init__(**options)
+            seen.append(self.options)
 
     registry = Registry()
     registry.add("engine_targets", Recording, "test", "0")
@@ -235,4 +243,12 @@ def test_engine_options_reach_the_engine_target():
     with session_for(rendezvous, registry=registry, engine_options={"torch": {"layout": "replica"}}) as session:
         with pytest.raises(ConnectError, match="engine 'x' rank 0: info at"):  # the fake engine is not reachable
             session.connect(["x"])
-    assert seen == {"layout": "replica"}
+    assert seen == [LayoutChoice(layout="replica")]
+
+
+def test_an_unknown_engine_option_is_refused_at_connect_naming_the_valid_ones():
+    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="opts", is_server=True, timeout=2)
+    rendezvous.publish(fake_table(rendezvous, job_id="opts"))
+    with session_for(rendezvous, engine_options={"torch": {"layuot": "replica"}}) as session:
+        with pytest.raises(ConnectError, match=r"engine 'x' rank 0: engine target 'torch': unknown option\(s\) \['layuot'\]; valid options: none"):
+            session.connect(["x"])

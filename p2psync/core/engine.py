@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from .layout import Layout
+from .options import NoOptions, parse
 from .types import ParamSpec, Region, TargetTable
 
 
@@ -38,15 +39,18 @@ class EngineControl(ABC):
 class EngineTarget(ABC):
     """An engine kind (sglang, vLLM, a torch module) as seen from the trainer.
 
-    Constructed with keyword-only options. Engine-side code (the endpoint that
+    Constructed with keyword-only options, checked against the `Options` dataclass the
+    class declares (an unknown option is an error). Engine-side code (the endpoint that
     runs inside an engine worker) lives beside it in the same adapter.
     """
 
     name: ClassVar[str]
     requires: ClassVar[tuple[str, ...]] = ()
+    #: The options this engine kind takes (a frozen dataclass).
+    Options: ClassVar[type] = NoOptions
 
     def __init__(self, **options: Any) -> None:
-        self.options = options
+        self.options = parse(self.Options, options, what=f"engine target {self.name!r}")
 
     @abstractmethod
     def layout(self, table: TargetTable, sources: Mapping[str, ParamSpec]) -> Layout:

@@ -11,6 +11,10 @@ class PluginError(P2PSyncError):
     """A plugin registered a class without a name, or under a name already taken."""
 
 
+class OptionsError(P2PSyncError, ValueError):
+    """An option that the class it is given to does not take, or a value of the wrong type."""
+
+
 class ConnectError(P2PSyncError):
     """`connect` found something a layout, the plan or a transport cannot serve.
 

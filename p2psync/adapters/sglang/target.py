@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 from ...core.endpoint import EndpointControl
 from ...core.engine import EngineControl, EngineTarget
@@ -12,21 +13,24 @@ from ...core.layout import Layout
 from ...core.types import ParamSpec, TargetTable
 
 
+@dataclass(frozen=True)
+class SglangOptions:
+    """`layout`: "copy_map" (strided copies; sglang's loader only for parameters that are not
+    copies) or "replica" (sglang's loader for every group)."""
+
+    layout: Literal["copy_map", "replica"] = "copy_map"
+
+
 class SglangEngineTarget(EngineTarget):
     """sglang engines: ranks running `p2psync.adapters.sglang.serve` (standalone, or inside a
     server through the plugin: then paused and resumed through the server's API), or a
     real sglang server whose tables `publish_server` made (controlled through its own API).
-
-    Option `layout`, else the P2PSYNC_SGLANG_LAYOUT variable (a Session constructs
-    targets without options): "copy_map" (default) or "replica" (see SglangLayout).
+    Options: `SglangOptions` (give them through `Session(engine_options={"sglang": {...}})`).
     """
 
     name = "sglang"
     requires = ("sglang",)
-
-    @property
-    def mode(self) -> str:
-        return str(self.options.get("layout") or os.environ.get("P2PSYNC_SGLANG_LAYOUT") or "copy_map")
+    Options = SglangOptions
 
     def layout(self, table: TargetTable, sources: Mapping[str, ParamSpec]) -> Layout:
         from .layout import SglangLayout
@@ -36,7 +40,7 @@ class SglangEngineTarget(EngineTarget):
             version = require_sglang()
         except (ImportError, RuntimeError) as exc:
             raise ConnectError(f"{where(table.engine_id, table.rank)}: this trainer cannot build sglang layouts: {exc}") from exc
-        return SglangLayout(table, sources, mode=self.mode, version=version)
+        return SglangLayout(table, sources, mode=self.options.layout, version=version)
 
     def control(self, tables: Sequence[TargetTable], *, timeout: float, token: str = "") -> EngineControl:
         from .server import SERVER_CONTROL, ServedControl, ServerControl
