@@ -13,8 +13,7 @@ from functools import lru_cache  # noqa: E402
 import torch  # noqa: E402
 from sglang_models import config_dict, hf_config, hf_tensors, produce, sglang_rank, specs  # noqa: E402
 
-from p2psync.adapters.sglang.layout import SglangLayout  # noqa: E402
-from p2psync.adapters.sglang.shim import require_sglang  # noqa: E402
+from p2psync.adapters.sglang.target import SglangEngineTarget  # noqa: E402
 from p2psync.core.errors import ConnectError  # noqa: E402
 
 CASES = [
@@ -30,13 +29,20 @@ def checkpoint(kind: str) -> dict[str, torch.Tensor]:
     return hf_tensors(hf_config(kind))
 
 
+def sglang_layout(table, sources, mode: str = "copy_map"):
+    return SglangEngineTarget(layout=mode).layout(table, sources)
+
+
 def check_every_rank(kind: str, tp: int, ep: int, mode: str) -> None:
     tensors = checkpoint(kind)
     for rank in range(tp):
         expected, table = sglang_rank(config_dict(hf_config(kind)), tp, ep, rank, tensors)
-        layout = SglangLayout(table, specs(tensors), mode=mode, version=require_sglang())
+        layout = sglang_layout(table, specs(tensors), mode)
         if mode == "copy_map":
             assert layout.loader_params == [], "these models' loaders only copy and pad"
+            assert layout.rank_model is None, "a copy map without fallbacks keeps no rank model"
+        else:
+            assert len(layout.loader_params) == len(table.params)
         held = produce(layout, tensors, table)
         for name, tensor in expected.items():
             assert torch.equal(held[name], tensor.contiguous().view(-1).view(torch.uint8)), (kind, tp, ep, rank, name)
@@ -57,7 +63,7 @@ def test_regions_leave_vocabulary_padding_alone():
     bytes sglang writes, zeros in the padding included, and nothing beyond the parameter."""
     tensors = checkpoint("qwen3")
     _, table = sglang_rank(config_dict(hf_config("qwen3")), 2, 1, 1, tensors)
-    layout = SglangLayout(table, specs(tensors), mode="copy_map", version=require_sglang())
+    layout = sglang_layout(table, specs(tensors))
     (group,) = [g for g in layout.groups() if g.outputs == ("model.embed_tokens.weight",)]
     regions = layout.fill(group, {n: tensors[n] for n in group.inputs}, torch.empty(group.nbytes, dtype=torch.uint8))
     param = next(p for p in table.params if p.name == "model.embed_tokens.weight")
@@ -85,7 +91,7 @@ def table_with(kind: str, **key_changes) -> tuple:
 def test_connect_rejects_what_a_layout_cannot_reproduce(change, reason):
     table, sources = table_with("qwen3_moe", **change)
     with pytest.raises(ConnectError, match="engine 'engine-0' rank 1: ") as info:
-        SglangLayout(table, sources, mode="copy_map", version=require_sglang())
+        sglang_layout(table, sources)
     assert reason in str(info.value)
 
 
@@ -95,14 +101,14 @@ def test_connect_rejects_a_parameter_the_rank_model_disagrees_with():
     p = params[3]
     params[3] = dataclasses.replace(p, shape=(p.shape[0] * 2, *p.shape[1:]), nbytes=p.nbytes * 2)
     with pytest.raises(ConnectError, match=f"engine 'engine-0' rank 1 parameter '{p.name}': the engine has"):
-        SglangLayout(dataclasses.replace(table, params=tuple(params)), sources, mode="copy_map", version=require_sglang())
+        sglang_layout(dataclasses.replace(table, params=tuple(params)), sources)
 
 
 def test_connect_rejects_a_parameter_no_trainer_tensor_feeds():
     table, sources = table_with("qwen3")
     del sources["model.norm.weight"]
     with pytest.raises(ConnectError, match="parameter 'model.norm.weight': no HF tensor of the trainer is loaded into it"):
-        SglangLayout(table, sources, mode="copy_map", version=require_sglang())
+        sglang_layout(table, sources)
 
 
 def test_connect_names_the_hf_tensor_sglangs_loader_refuses():
@@ -110,7 +116,7 @@ def test_connect_names_the_hf_tensor_sglangs_loader_refuses():
     name = "model.layers.1.mlp.up_proj.weight"
     sources[name] = dataclasses.replace(sources[name], shape=(96, 65))
     with pytest.raises(ConnectError, match=f"engine 'engine-0' rank 1: sglang's loader refuses HF tensor '{name}' \\[96, 65\\]"):
-        SglangLayout(table, sources, mode="copy_map", version=require_sglang())
+        sglang_layout(table, sources)
 
 
 def test_post_load_on_layout_bytes_derives_what_sglangs_load_derives():
@@ -120,7 +126,7 @@ def test_post_load_on_layout_bytes_derives_what_sglangs_load_derives():
 
     tensors = checkpoint("deepseek_v3")
     expected, table = sglang_rank(config_dict(hf_config("deepseek_v3")), 2, 1, 1, tensors)
-    layout = SglangLayout(table, specs(tensors), mode="copy_map", version=require_sglang())
+    layout = sglang_layout(table, specs(tensors))
     engine = build_rank_model(RankSpec(config_dict(hf_config("deepseek_v3")), 2, 1, "bfloat16", 1), "cpu")
     for name, data in produce(layout, tensors, table).items():
         engine.model.get_parameter(name).data.view(-1).view(torch.uint8).copy_(data)

@@ -14,23 +14,24 @@ from collections import defaultdict  # noqa: E402
 import torch  # noqa: E402
 from vllm_helpers import checkpoint, engine_rank, specs  # noqa: E402
 
-from p2psync.adapters.vllm.layouts import ReplicaLayout  # noqa: E402
+from p2psync.adapters.vllm.target import VllmEngineTarget  # noqa: E402
+from p2psync.layouts.layout import EngineLayout  # noqa: E402
 
 CASES = [("qwen2", 4), ("qwen3_moe", 2), ("deepseek_v3", 2)]
 FUSED = ("qkv_proj", "gate_up_proj", "experts.w13", "experts.w2")
 
 
-def m2n_bytes(layout: ReplicaLayout, tensors: dict[str, torch.Tensor], tp: int) -> dict[str, int]:
+def m2n_bytes(layout: EngineLayout, tensors: dict[str, torch.Tensor], tp: int) -> dict[str, int]:
     """Per engine parameter, the bytes nccl_m2n delivers to this rank: the local shard for a
     parameter it resolves directly, every feeding HF tensor whole for the rest."""
     from vllm.distributed.weight_transfer.m2n_layout import resolve_parameter_destinations
 
     names = list(tensors)
     destinations = resolve_parameter_destinations(
-        layout.model.model, names, [tensors[n].dtype for n in names], [tuple(tensors[n].shape) for n in names],
+        layout.rank_model.model, names, [tensors[n].dtype for n in names], [tuple(tensors[n].shape) for n in names],
         num_workers=tp, shard_axis_size=tp, allow_direct=True,
     )
-    param_of = {name: plan.group.outputs[0] for plan in layout.plans for name in plan.group.inputs}
+    param_of = {name: group.outputs[0] for group in layout.groups() for name in group.inputs}
     out: dict[str, int] = defaultdict(int)
     for name, d in zip(names, destinations):
         if name in param_of:  # else fed to no parameter of this rank (a tied lm_head)
@@ -45,8 +46,8 @@ def test_each_rank_receives_only_its_own_bytes_where_m2n_sends_fused_parameters_
     rows = []
     for rank in range(tp):
         params, table = engine_rank(kind, tp, rank, tensors)
-        layout = ReplicaLayout(table, specs(tensors))  # same regions as the copy map; keeps its rank model
-        ours = {p.param.name: sum(r.nbytes for r in p.regions()) for plan in layout.plans for p in plan.params}
+        layout = VllmEngineTarget(layout="replica").layout(table, specs(tensors))  # same regions as the copy map; keeps its rank model
+        ours = {p.name: sum(r.nbytes for r in layout.regions_of(p.name)) for p in table.params}
         theirs = m2n_bytes(layout, tensors, tp)
         for name, t in params.items():
             assert ours[name] <= t.numel() * t.element_size(), name  # never more than the rank holds

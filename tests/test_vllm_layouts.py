@@ -12,14 +12,15 @@ from collections.abc import Mapping  # noqa: E402
 import torch  # noqa: E402
 from vllm_helpers import checkpoint, engine_rank, specs  # noqa: E402
 
-from p2psync.adapters.vllm.layouts import CopyMapLayout, ReplicaLayout, VllmLayout  # noqa: E402
+from p2psync.adapters.vllm.target import VllmEngineTarget  # noqa: E402
+from p2psync.core.layout import Layout  # noqa: E402
 from p2psync.core.types import TargetTable  # noqa: E402
 
 CASES = [(kind, tp) for kind in ("qwen2", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3") for tp in (1, 2, 4)]
 
 
 def produce(
-    layout: VllmLayout, tensors: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor]
+    layout: Layout, tensors: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """Every group filled into a garbage buffer, its regions written over zeroed parameters:
     a region too many shows as garbage, a region missing as zeros."""
@@ -44,21 +45,24 @@ def test_layout_bytes_equal_vllm_load_on_every_rank(kind, tp):
     for rank in range(tp):
         expected, table = engine_rank(kind, tp, rank, tensors)
         assert all(t.count_nonzero() > 0 for t in expected.values()), "vLLM left a parameter unloaded"
-        for cls in (CopyMapLayout, ReplicaLayout):
-            layout = cls(table, specs(tensors))
+        for mode in ("copy_map", "replica"):
+            layout = VllmEngineTarget(layout=mode).layout(table, specs(tensors))
             assert_same_bytes(produce(layout, tensors, expected), expected)
 
 
-def test_copy_map_replays_blocks_without_the_model_and_pads_with_the_loaders_zeros():
+def test_copy_map_needs_no_model_and_writes_the_loaders_zeros_into_the_vocabulary_padding():
     tensors = checkpoint("qwen2")
     expected, table = engine_rank("qwen2", 4, 3, tensors)
-    layout = CopyMapLayout(table, specs(tensors))
-    assert layout.model is None
-    embed = next(p for plan in layout.plans for p in plan.params if p.param.name == "model.embed_tokens.weight")
-    assert [b.value for b in embed.blocks if b.source is None] == [0.0]  # vocab padding: vLLM zeroes it
-    qkv = next(p for plan in layout.plans for p in plan.params if p.param.name.endswith("0.self_attn.qkv_proj.weight"))
+    layout = VllmEngineTarget().layout(table, specs(tensors))
+    assert layout.loader_params == [] and layout.rank_model is None
+    embed = next(p for p in table.params if p.name == "model.embed_tokens.weight")
+    # vocab 250 padded to 256, 64 rows per rank: rank 3 holds 58 real rows and 6 rows of vLLM's zeros
+    assert sum(r.nbytes for r in layout.regions_of(embed.name)) == embed.nbytes
+    assert not expected[embed.name][58:].any() and expected[embed.name][:58].count_nonzero() > 0
+    qkv = next(g for g in layout.groups() if g.outputs[0].endswith("0.self_attn.qkv_proj.weight"))
     # tp 4 > 1 KV head: the one KV head is replicated, so rank 3 reads the whole of k and v.
-    assert {b.source.rsplit(".", 2)[-2] for b in qkv.blocks} == {"q_proj", "k_proj", "v_proj"}
+    assert {name.rsplit(".", 2)[-2] for name in qkv.inputs} == {"q_proj", "k_proj", "v_proj"}
+    assert layout.copy_dtype(qkv) == "bfloat16"
 
 
 def test_bytes_that_are_not_a_pure_copy_fall_back_to_the_replica_per_parameter(monkeypatch):
@@ -70,10 +74,10 @@ def test_bytes_that_are_not_a_pure_copy_fall_back_to_the_replica_per_parameter(m
     monkeypatch.setattr(utils, "default_weight_loader", scaled)  # what AutoWeightsLoader gives plain parameters
     tensors = checkpoint("qwen3")
     expected, table = engine_rank("qwen3", 2, 1, tensors)
-    layout = CopyMapLayout(table, specs(tensors))
-    fallback = {p.param.name for plan in layout.plans for p in plan.params if p.blocks is None}
+    layout = VllmEngineTarget().layout(table, specs(tensors))
+    fallback = set(layout.loader_params)
     assert fallback and all(name.endswith("norm.weight") for name in fallback)
-    assert layout.model is not None
+    assert layout.rank_model is not None
     assert_same_bytes(produce(layout, tensors, expected), expected)
 
 
@@ -83,5 +87,5 @@ def test_a_table_that_disagrees_with_the_rebuilt_model_is_rejected():
     tensors = checkpoint("qwen3")
     _, table = engine_rank("qwen3", 2, 0, tensors)
     wrong = TargetTable(**{**table.__dict__, "params": table.params[1:]})
-    with pytest.raises(ConnectError, match="engine 'engine' rank 0 parameter .* is not in its table"):
-        CopyMapLayout(wrong, specs(tensors))
+    with pytest.raises(ConnectError, match="engine 'engine' rank 0 parameter .*: vllm's rank model has it, the engine did not publish it"):
+        VllmEngineTarget().layout(wrong, specs(tensors))

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from p2psync.adapters.vllm import shim
+from p2psync.adapters.vllm.key import layout_key
 from p2psync.core.types import ParamSpec, TargetParam, TargetTable
 
 #: Tiny configs: KV heads fewer than some TP sizes (replication), vocab not a multiple of
@@ -112,7 +113,7 @@ def engine_rank(
     config = shim.engine_config(hf_config_dict(kind), tp=tp, dtype="bfloat16")
     params = {name: p.data for name, p in vllm_loaded(config, rank, tensors).named_parameters()}
     table = TargetTable(
-        engine_id="engine", rank=rank, world_size=tp, engine="vllm", layout_key=shim.layout_key(config),
+        engine_id="engine", rank=rank, world_size=tp, engine="vllm", layout_key=layout_key(config),
         transport="none", transport_info={}, control_url="",
         params=tuple(
             TargetParam(name, tuple(t.shape), dtype_name(t), t.data_ptr(), t.numel() * t.element_size())

@@ -12,6 +12,15 @@ from .types import Region
 if TYPE_CHECKING:
     import torch
 
+#: Byte alignment of parameters inside a group's bytes and of groups inside a transfer
+#: buffer, so that every dtype view starts aligned.
+ALIGN = 64
+
+
+def aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to ALIGN."""
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
 
 @dataclass(frozen=True)
 class ParamGroup:

@@ -22,7 +22,7 @@ from .buffers import BufferPool, Lease
 from .digest import byte_view, digest
 from .engine import EngineControl, EngineTarget
 from .errors import ConnectError, ControlError, P2PSyncError, where
-from .layout import Layout, ParamGroup
+from .layout import ALIGN, Layout, ParamGroup, aligned
 from .plan import Plan, PlanTarget, build_plan, unit_of
 from .plugins import Registry, registry as default_registry
 from .rendezvous import Rendezvous
@@ -35,13 +35,6 @@ from .writer import EngineWriter, WriteJob
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 512 << 20
-#: Byte alignment of parameter groups inside a transfer buffer, so that every
-#: dtype view of a group starts aligned.
-ALIGN = 64
-
-
-def _aligned(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def _narrower_dtypes(specs: Mapping[str, ParamSpec], reads: Sequence[tuple[Layout, ParamGroup]]) -> dict[str, str]:
@@ -316,8 +309,8 @@ class Session:
         need = ALIGN
         for work in self._work:
             for _, groups in work:
-                largest = max(_aligned(g.nbytes) for g in groups)
-                need = max(need, min(sum(_aligned(g.nbytes) for g in groups), max(self.bucket_bytes, largest)))
+                largest = max(aligned(g.nbytes) for g in groups)
+                need = max(need, min(sum(aligned(g.nbytes) for g in groups), max(self.bucket_bytes, largest)))
         if self._pool is not None and self._pool.nbytes >= need:
             return
         if self._pool is not None:
@@ -421,7 +414,7 @@ class Session:
                 regions.extend(written)
                 if self.check:
                     self._record(lease, written, produced)
-                offset += _aligned(group.nbytes)
+                offset += aligned(group.nbytes)
             if lease is not None:
                 self._submit(unit, lease, regions)
                 lease = None

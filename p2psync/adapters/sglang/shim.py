@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ...layouts import RankModel
+
 if TYPE_CHECKING:
     import torch
 
@@ -87,7 +89,7 @@ class _Group:
 
 
 @dataclass
-class RankModel:
+class SglangRankModel(RankModel):
     """sglang's model of one rank and the runtime context its loaders read."""
 
     model: torch.nn.Module
@@ -107,6 +109,9 @@ class RankModel:
         """sglang's own `load_weights` for these HF tensors."""
         with self.active():
             self.model.load_weights(list(items))
+
+    def post_load(self) -> None:
+        post_load(self.model)
 
 
 def post_load(model: torch.nn.Module) -> None:
@@ -140,7 +145,7 @@ def server_args(model_path: str, spec: RankSpec, device: str = "cpu") -> Any:
     )
 
 
-def build_rank_model(spec: RankSpec, device: str) -> RankModel:
+def build_rank_model(spec: RankSpec, device: str) -> SglangRankModel:
     """Build sglang's model of `spec.rank` on `device` ("meta": no storage; "cpu": real memory)."""
     import torch
     import torch.distributed as dist
@@ -164,7 +169,7 @@ def build_rank_model(spec: RankSpec, device: str) -> RankModel:
             model_config = ModelConfig.from_server_args(args)
             with set_default_torch_dtype(model_config.dtype), torch.device(device):
                 model = _initialize_model(model_config, LoadConfig(), None)
-    return RankModel(model.eval(), context, args, model_config)
+    return SglangRankModel(model.eval(), context, args, model_config)
 
 
 _GROUP_GLOBALS = (

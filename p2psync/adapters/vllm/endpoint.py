@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...core.endpoint import EngineEndpoint, EngineHooks
 from ...core.transport import Transport
-from . import shim
+from .key import layout_key
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +41,7 @@ def serve(
         rank=rank,
         world_size=vllm_config.parallel_config.tensor_parallel_size,
         params={name: p.data for name, p in model.named_parameters()},
-        layout_key=shim.layout_key(vllm_config),
+        layout_key=layout_key(vllm_config),
         transport=transport,
         transport_options=transport_options,
         rendezvous=rendezvous,

@@ -12,15 +12,16 @@ never does.
 from __future__ import annotations
 
 import atexit
-import hashlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
+
+from ...layouts import RankModel
 
 if TYPE_CHECKING:
     import torch
@@ -77,26 +78,6 @@ def _engine_config(config_json: str, tp: int, dtype: str) -> Any:
         model=path, tensor_parallel_size=tp, dtype=dtype, skip_tokenizer_init=True,
         enforce_eager=True, load_format="dummy",
     ).create_engine_config()
-
-
-def layout_key(vllm_config: Any) -> dict[str, Any]:
-    """Everything that decides a rank's bytes, including the HF config, so a trainer
-    can rebuild the rank model without any files."""
-    model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    hf_config = json.loads(model.hf_config.to_json_string(use_diff=False))
-    text = json.dumps(hf_config, sort_keys=True)
-    return {
-        "vllm": version(),
-        "architecture": model.architectures[0],
-        "hf_config_sha256": hashlib.sha256(text.encode()).hexdigest(),
-        "hf_config": hf_config,
-        "tp": parallel.tensor_parallel_size,
-        "pp": parallel.pipeline_parallel_size,
-        "dp": parallel.data_parallel_size,
-        "ep": bool(parallel.enable_expert_parallel),
-        "dtype": str(model.dtype).removeprefix("torch."),
-        "quantization": model.quantization,
-    }
 
 
 class _StandInProcessGroup:
@@ -174,30 +155,24 @@ def build_model(vllm_config: Any, rank: int, device: str) -> torch.nn.Module:
         compilation.static_forward_context = shared
 
 
+class VllmRankModel(RankModel):
+    """vLLM's model of TP rank `rank` of `vllm_config` on meta, and vLLM's own loader as that rank."""
+
+    def __init__(self, vllm_config: Any, rank: int) -> None:
+        self.config = vllm_config
+        self.rank = rank
+        self.model = build_model(vllm_config, rank, "meta")
+
+    def load(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        load_weights(self.model, self.config, self.rank, items)
+
+
 def load_weights(
     model: torch.nn.Module, vllm_config: Any, rank: int, weights: Iterable[tuple[str, torch.Tensor]]
 ) -> None:
     """vLLM's own `model.load_weights`, as TP rank `rank` (no post-processing)."""
     with rank_state(vllm_config, rank):
         model.load_weights(weights)
-
-
-def weight_loader(param: torch.nn.Parameter) -> Callable[..., Any]:
-    """The loader vLLM calls for `param` (models fall back to the default one)."""
-    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
-    return getattr(param, "weight_loader", default_weight_loader)
-
-
-def like(param: torch.nn.Parameter, data: torch.Tensor) -> torch.nn.Parameter:
-    """A parameter of `param`'s class and attributes over `data` (as vLLM's layerwise
-    reload materializes meta parameters: `.data` cannot move between meta and a device)."""
-    import torch
-
-    new = torch.nn.Parameter(data, requires_grad=False)
-    new.__class__ = param.__class__
-    new.__dict__ = param.__dict__.copy()
-    return new
 
 
 def post_process(model: torch.nn.Module, vllm_config: Any, device: torch.device) -> None:

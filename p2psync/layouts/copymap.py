@@ -1,22 +1,24 @@
-"""Copy maps: element maps compressed into strided copies, and their replay.
+"""Copy maps: where each element of an engine parameter comes from, compressed into strided
+copies, and their replay.
 
-A parameter's copied elements become 1-D runs (destination and source both
-advance by one, same input), and runs of equal length with a constant step on
-both sides become one 2-D block: a TP shard of a row-split weight is one block,
-a column-split one is one block of `rows` runs. Constants the loader writes
-(zeroed padding) become fills the same way.
+A parameter's copied elements become 1-D runs (destination and source both advance by
+one, same input); runs of equal length with a constant step on both sides become one
+2-D block: a TP shard of a row-split weight is one block, a column-split one is one block
+of `rows` runs. Constants the loader writes (zeroed padding) become fills the same way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from .probe import CONSTANT, COPY, UNTOUCHED, ElementMap
+import torch
 
-if TYPE_CHECKING:
-    import torch
+#: Kinds of parameter elements after a probe (see `probe.ElementMap`).
+UNTOUCHED, COPY, CONSTANT, OTHER = 0, 1, 2, 3
+#: Above this many blocks per element a parameter is a gather, not a strided copy: the
+#: loader replays it faster than its copies would.
+MAX_BLOCKS_PER_ELEMENT = 1 / 64
 
 
 @dataclass(frozen=True)
@@ -34,57 +36,59 @@ class Block:
     value: float = 0.0
 
 
-def written_runs(element_map: ElementMap) -> list[tuple[int, int]]:
-    """(first element, count) of each run of elements the loader writes."""
-    import torch
+def written_runs(mask: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, length) of each run of True in a boolean mask, flattened."""
+    flat = mask.reshape(-1).to(torch.int8)
+    edges = torch.diff(flat, prepend=flat.new_zeros(1), append=flat.new_zeros(1))
+    begins = torch.nonzero(edges == 1).flatten().tolist()
+    ends = torch.nonzero(edges == -1).flatten().tolist()
+    return [(b, e - b) for b, e in zip(begins, ends)]
 
-    positions = (element_map.kind != UNTOUCHED).nonzero().squeeze(1)
-    return [(d, n) for d, _, n, _ in _runs(positions, positions, torch.zeros_like(positions))]
 
-
-def compile_blocks(element_map: ElementMap, inputs: Sequence[tuple[str, int]]) -> list[Block]:
-    """Blocks reproducing a pure element map; `inputs` are (name, first code) in code order."""
-    import torch
-
+def compile_blocks(
+    kind: torch.Tensor, source: torch.Tensor, value: torch.Tensor, inputs: Sequence[tuple[str, int]]
+) -> list[Block] | None:
+    """Blocks writing every COPY and CONSTANT element of a parameter (flat `kind`; `source`: the
+    copied input element's code; `value`: the constant), or None where that takes too many
+    blocks. `inputs` are (name, first code) in code order."""
     names = [name for name, _ in inputs]
     starts = torch.tensor([start for _, start in inputs], dtype=torch.int64)
+    budget = max(16, int(kind.numel() * MAX_BLOCKS_PER_ELEMENT))
     blocks: list[Block] = []
 
-    copied = (element_map.kind == COPY).nonzero().squeeze(1)
-    codes = element_map.source[copied]
+    copied = (kind == COPY).nonzero().squeeze(1)
+    codes = source[copied]
     which = torch.searchsorted(starts, codes, right=True) - 1
-    for (d, s, n, k), rows, step_d, step_s in _blocks(_runs(copied, codes - starts[which], which)):
+    for (d, s, n, k), rows, step_d, step_s in _merge(_runs(copied, codes - starts[which], which)):
         sizes, dst_strides, src_strides = ((rows, n), (step_d, 1), (step_s, 1)) if rows > 1 else ((n,), (1,), (1,))
         blocks.append(Block(names[k], sizes, d, dst_strides, s, src_strides))
+        if len(blocks) > budget:
+            return None
 
-    constant = (element_map.kind == CONSTANT).nonzero().squeeze(1)
-    bits = element_map.value[constant].view(torch.int64)
+    constant = (kind == CONSTANT).nonzero().squeeze(1)
+    bits = value[constant].view(torch.int64)
     for d, _, n, key in _runs(constant, constant, bits):
         blocks.append(Block(None, (n,), d, (1,), value=float(torch.tensor(key).view(torch.float64))))
+        if len(blocks) > budget:
+            return None
     return blocks
 
 
-def replay(blocks: Sequence[Block], tensors: Mapping[str, torch.Tensor], dst: torch.Tensor) -> None:
-    """Write `blocks` into the flat parameter view `dst`, from the full HF `tensors`."""
-    import torch
-
-    flat: dict[str, torch.Tensor] = {}
+def replay(blocks: Sequence[Block], sources: Mapping[str, torch.Tensor], dst: torch.Tensor) -> None:
+    """Write `blocks` into the flat parameter view `dst` from flat contiguous HF tensors
+    (casting to `dst`'s dtype as the engine's `copy_` does)."""
     for b in blocks:
         target = torch.as_strided(dst, b.sizes, b.dst_strides, dst.storage_offset() + b.dst_offset)
         if b.source is None:
             target.fill_(b.value)
             continue
-        src = flat.get(b.source)
-        if src is None:
-            src = flat[b.source] = tensors[b.source].contiguous().view(-1)
+        src = sources[b.source]
         target.copy_(torch.as_strided(src, b.sizes, b.src_strides, src.storage_offset() + b.src_offset))
 
 
 def _runs(dst: torch.Tensor, src: torch.Tensor, key: torch.Tensor) -> list[tuple[int, int, int, int]]:
     """(dst start, src start, length, key) of maximal runs where dst and src advance by one
     and key stays the same."""
-    import torch
-
     if dst.numel() == 0:
         return []
     new = torch.ones(dst.numel(), dtype=torch.bool)
@@ -94,7 +98,7 @@ def _runs(dst: torch.Tensor, src: torch.Tensor, key: torch.Tensor) -> list[tuple
     return list(zip(dst[first].tolist(), src[first].tolist(), length.tolist(), key[first].tolist()))
 
 
-def _blocks(runs: list[tuple[int, int, int, int]]) -> list[tuple[tuple[int, int, int, int], int, int, int]]:
+def _merge(runs: list[tuple[int, int, int, int]]) -> list[tuple[tuple[int, int, int, int], int, int, int]]:
     """Greedy merge of consecutive runs of equal length and input with constant steps:
     (first run, how many runs, dst step, src step)."""
     out = []

@@ -1,0 +1,61 @@
+"""The layout key of a vLLM rank: everything that decides its bytes besides the rank index.
+
+The engine side publishes it (`layout_key`); the trainer side checks it and rebuilds the
+vLLM config from it alone (`engine_config_of`: the HF config travels inside the key), so
+a trainer needs none of the engine's files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from ...core.errors import ConnectError, where
+from ...core.types import TargetTable
+from . import shim
+
+
+def config_hash(hf_config: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(hf_config, sort_keys=True).encode()).hexdigest()
+
+
+def layout_key(vllm_config: Any) -> dict[str, Any]:
+    """The key of a rank of a vLLM engine: its parallelism, dtype, quantization, HF config and
+    the vLLM version it runs."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    hf_config = json.loads(model.hf_config.to_json_string(use_diff=False))
+    return {
+        "vllm": shim.version(),
+        "architecture": model.architectures[0],
+        "hf_config_sha256": config_hash(hf_config),
+        "hf_config": hf_config,
+        "tp": parallel.tensor_parallel_size,
+        "pp": parallel.pipeline_parallel_size,
+        "dp": parallel.data_parallel_size,
+        "ep": bool(parallel.enable_expert_parallel),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "quantization": model.quantization,
+    }
+
+
+def engine_config_of(table: TargetTable) -> Any:
+    """The VllmConfig `table`'s key describes; ConnectError, naming engine, rank and every
+    reason, for what no layout reproduces."""
+    key = table.layout_key
+    problems = []
+    if key.get("vllm") != shim.VLLM_VERSION:
+        problems.append(f"engine runs vllm {key.get('vllm')}, layouts are pinned to {shim.VLLM_VERSION}")
+    if "hf_config" not in key or config_hash(key["hf_config"]) != key.get("hf_config_sha256"):
+        problems.append("the HF config in the layout key does not match its hash")
+    if key.get("quantization"):
+        problems.append(f"quantization {key['quantization']!r} is not supported")
+    if key.get("pp", 1) != 1 or key.get("dp", 1) != 1 or key.get("ep"):
+        problems.append(
+            f"only tensor parallelism is supported (pp={key.get('pp')}, dp={key.get('dp')}, ep={key.get('ep')})"
+        )
+    if key.get("tp") != table.world_size:
+        problems.append(f"tp {key.get('tp')} differs from the engine's {table.world_size} ranks")
+    if problems:
+        raise ConnectError(f"{where(table.engine_id, table.rank)}: " + "; ".join(problems))
+    return shim.engine_config(key["hf_config"], tp=key["tp"], dtype=key["dtype"])

@@ -1,0 +1,14 @@
+"""Layouts: the one room that turns HF tensors into the exact bytes of an engine rank.
+
+An engine adapter supplies a `RankModel` per rank (its model on meta and its own loader),
+usually through a `RankModelTarget`; `EngineLayout` compiles it into groups, a copy map
+per parameter where the loader only copies, and the loader itself (the replica) where it
+does more. Nothing here knows an engine.
+"""
+
+from __future__ import annotations
+
+from .rank_model import ParameterHolders, RankModel
+from .target import LayoutOptions, RankModelTarget
+
+__all__ = ["LayoutOptions", "ParameterHolders", "RankModel", "RankModelTarget"]

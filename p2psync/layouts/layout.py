@@ -1,0 +1,239 @@
+"""The layout of one engine rank, compiled from its rank model: copy map or replica.
+
+Compiling, group by group (`probe` says how each step reads the loader):
+1. the loader is traced on meta: which HF tensors feed which parameters, hence the groups;
+2. the real loader runs on random inputs: which bytes of each parameter it writes (only
+   those become regions: padding it leaves alone stays as the engine has it) and what;
+3. copy map only: the loader runs on index-coded inputs; each parameter whose elements
+   are all copies or constants gets blocks, kept only if replaying them on the random
+   inputs reproduces step 2's bytes bit for bit. Any other parameter falls back to the
+   replica: the engine's loader writes it, at each update, into the transfer buffer.
+The rank model is kept only while some parameter needs the loader.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..core.errors import ConnectError, where
+from ..core.layout import Layout, ParamGroup, aligned
+from ..core.types import ParamSpec, Region, TargetTable, numel
+from .copymap import UNTOUCHED, Block, compile_blocks, replay, written_runs
+from .probe import ElementMap, connected_groups, probe_elements, trace_feeds, written_bytes
+from .rank_model import ParameterHolders, RankModel
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["copy_map", "replica"]
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where one target parameter's bytes sit inside its group's bytes."""
+
+    name: str
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+
+    def view(self, out: torch.Tensor) -> torch.Tensor:
+        return out[self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
+
+
+@dataclass
+class _Param:
+    """One parameter of a group: its slot, the regions the loader writes, and its blocks
+    (None: produced by the engine's loader)."""
+
+    slot: _Slot
+    regions: list[Region]
+    blocks: list[Block] | None
+
+
+@dataclass
+class _Group:
+    group: ParamGroup
+    params: list[_Param]
+
+    @property
+    def regions(self) -> list[Region]:
+        return [r for p in self.params for r in p.regions]
+
+
+class EngineLayout(Layout):
+    """The bytes of one engine rank (layout key and rank), from the trainer's HF tensors.
+
+    `mode` "copy_map": strided copies, the engine's loader only for parameters whose bytes
+    are not copies of the inputs (per parameter); "replica": the engine's loader for every
+    group. Raises ConnectError, naming engine, rank and parameter, for a table that
+    disagrees with the rank model, a parameter no HF tensor feeds, or an HF tensor the
+    loader refuses.
+    """
+
+    def __init__(self, table: TargetTable, sources: Mapping[str, ParamSpec], rank_model: RankModel, *, mode: Mode) -> None:
+        self.table = table
+        self._holders = ParameterHolders(rank_model.model)
+        check_params(table, self._holders.params)
+        feeds = self._trace(rank_model, sources)
+        unfed = [name for name in self._holders.params if name not in feeds]
+        if unfed:
+            raise ConnectError(
+                f"{where(table.engine_id, table.rank, unfed[0])}: no HF tensor of the trainer is loaded into it"
+                + (f" (nor into {len(unfed) - 1} more)" if len(unfed) > 1 else "")
+            )
+        edges = ((hf, param) for param, hfs in feeds.items() for hf in hfs)
+        self._groups: dict[tuple[str, ...], _Group] = {}
+        for inputs, outputs in connected_groups(edges, list(sources), list(self._holders.params)):
+            group = self._compile(rank_model, [sources[n] for n in inputs], outputs, mode)
+            self._groups[outputs] = group
+        self.rank_model: RankModel | None = rank_model if self.loader_params else None
+        log.info(
+            "%s: %d groups, %d parameters by the engine's loader",
+            where(table.engine_id, table.rank), len(self._groups), len(self.loader_params),
+        )
+
+    @property
+    def loader_params(self) -> list[str]:
+        """Parameters the engine's loader produces at every update (not a copy map)."""
+        return [p.slot.name for g in self._groups.values() for p in g.params if p.blocks is None]
+
+    def regions_of(self, name: str) -> list[Region]:
+        """The regions of parameter `name`, with buffer offsets relative to its group's bytes."""
+        for group in self._groups.values():
+            for p in group.params:
+                if p.slot.name == name:
+                    return p.regions
+        raise KeyError(name)
+
+    def groups(self) -> Sequence[ParamGroup]:
+        return [g.group for g in self._groups.values()]
+
+    def fill(self, group: ParamGroup, tensors: Mapping[str, torch.Tensor], out: torch.Tensor) -> list[Region]:
+        compiled = self._groups[group.outputs]
+        by_loader = {p.slot.name: p.slot.view(out) for p in compiled.params if p.blocks is None}
+        if by_loader:
+            assert self.rank_model is not None
+            with self._holders.backed(by_loader):
+                self.rank_model.load([(name, tensors[name]) for name in group.inputs])
+        flat = {name: tensors[name].contiguous().view(-1) for name in group.inputs}
+        for p in compiled.params:
+            if p.blocks is not None:
+                replay(p.blocks, flat, p.slot.view(out).view(-1))
+        return compiled.regions
+
+    def copy_dtype(self, group: ParamGroup) -> str | None:
+        compiled = self._groups[group.outputs]
+        dtypes = {p.slot.dtype for p in compiled.params}
+        if any(p.blocks is None for p in compiled.params) or len(dtypes) != 1:
+            return None
+        return str(dtypes.pop()).removeprefix("torch.")
+
+    # -- compile ---------------------------------------------------------------------------
+
+    def _trace(self, rank_model: RankModel, sources: Mapping[str, ParamSpec]) -> dict[str, set[str]]:
+        """Which HF tensors feed which parameter; a ConnectError naming the HF tensor the loader refuses."""
+        params = self._holders.params
+        try:
+            return trace_feeds(rank_model.load, params, list(sources.values()))
+        except Exception:  # engines' loaders raise anything (asserts, shape errors) on a bad tensor
+            for spec in sources.values():
+                try:
+                    trace_feeds(rank_model.load, params, [spec])
+                except Exception as one:
+                    exc, culprit = one, f"HF tensor {spec.name!r} {list(spec.shape)} {spec.dtype}"
+                    break
+            else:
+                raise
+            raise ConnectError(
+                f"{where(self.table.engine_id, self.table.rank)}: {self.table.engine}'s loader refuses "
+                f"{culprit}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _compile(self, rank_model: RankModel, inputs: Sequence[ParamSpec], outputs: tuple[str, ...], mode: Mode) -> _Group:
+        slots, offset = [], 0
+        for name in outputs:
+            p = self._holders.params[name]
+            slots.append(_Slot(name, offset, tuple(p.shape), p.dtype, p.numel() * p.element_size()))
+            offset += aligned(slots[-1].nbytes)
+        group = ParamGroup(tuple(s.name for s in inputs), outputs, offset)
+
+        random = _random_inputs(inputs, outputs[0])
+        reference, written = written_bytes(
+            rank_model.load, self._holders, lambda out: {s.name: s.view(out) for s in slots}, random, offset
+        )
+        maps = None
+        if mode == "copy_map":
+            try:
+                maps = probe_elements(rank_model.load, self._holders, inputs, outputs)
+            except Exception as exc:  # a loader that refuses float64 inputs does not only copy
+                log.debug("%s: index probe failed (%s); the engine's loader produces it", outputs, exc)
+        codes, start = [], 0
+        for spec in inputs:
+            codes.append((spec.name, start))
+            start += numel(spec.shape)
+        flat = {name: t.contiguous().view(-1) for name, t in random}
+        params = []
+        for slot in slots:
+            part = slice(slot.offset, slot.offset + slot.nbytes)
+            regions = [Region(slot.name, s, slot.offset + s, n) for s, n in written_runs(written[part])]
+            blocks = None
+            if maps is not None and maps[slot.name].pure:
+                blocks = self._verified_blocks(slot, maps[slot.name], codes, flat, reference[part], written[part])
+            params.append(_Param(slot, regions, blocks))
+        return _Group(group, params)
+
+    def _verified_blocks(
+        self, slot: _Slot, element_map: ElementMap, codes: Sequence[tuple[str, int]],
+        flat: Mapping[str, torch.Tensor], reference: torch.Tensor, written: torch.Tensor,
+    ) -> list[Block] | None:
+        """`slot`'s blocks if replaying them writes exactly the bytes the loader wrote, else None."""
+        blocks = compile_blocks(element_map.kind, element_map.source, element_map.value, codes)
+        if blocks is None:
+            return None
+        size = slot.nbytes // max(1, element_map.kind.numel())
+        covered = (element_map.kind != UNTOUCHED).repeat_interleave(size)
+        replayed = torch.zeros(slot.nbytes, dtype=torch.uint8)
+        replay(blocks, flat, replayed.view(slot.dtype))
+        if torch.equal(covered, written) and torch.equal(replayed[written], reference[written]):
+            return blocks
+        log.debug("%s: its copies do not reproduce the loader's bytes", where(self.table.engine_id, self.table.rank, slot.name))
+        return None
+
+
+def check_params(table: TargetTable, params: Mapping[str, torch.Tensor]) -> None:
+    """The table must publish exactly the parameters of the rebuilt rank model, with their
+    shapes and dtypes; a ConnectError names every disagreement."""
+    t, engine = table, table.engine
+    published = {p.name: p for p in t.params}
+    problems = []
+    for name, param in params.items():
+        p = published.get(name)
+        dtype = str(param.dtype).removeprefix("torch.")
+        if p is None:
+            problems.append(f"{where(t.engine_id, t.rank, name)}: {engine}'s rank model has it, the engine did not publish it")
+        elif (p.shape, p.dtype) != (tuple(param.shape), dtype):
+            problems.append(
+                f"{where(t.engine_id, t.rank, name)}: the engine has {list(p.shape)} {p.dtype}, "
+                f"{engine}'s rank model {list(param.shape)} {dtype}"
+            )
+    problems += [
+        f"{where(t.engine_id, t.rank, name)}: published, but not a parameter of {engine}'s rank model"
+        for name in published
+        if name not in params
+    ]
+    if problems:
+        raise ConnectError("; ".join(problems))
+
+
+def _random_inputs(inputs: Sequence[ParamSpec], seed_name: str) -> list[tuple[str, torch.Tensor]]:
+    """Random HF tensors in the trainer's dtypes, the same for the same group on every rank."""
+    seed = int.from_bytes(hashlib.sha256(seed_name.encode()).digest()[:4], "little")
+    generator = torch.Generator().manual_seed(seed)
+    return [(s.name, torch.randn(s.shape, generator=generator).to(getattr(torch, s.dtype))) for s in inputs]
