@@ -126,9 +126,11 @@ def _all_gather_dim0(group: Any, shards: list[tuple[str, Any, torch.Tensor]]) ->
             send[: local.shape[0]] = local
         sends.append(send)
         fulls.append(send.new_empty((chunk * world, *shape[1:])))
-    # torch 2.13: gloo and NCCL run the recorded all-gathers as one coalesced work
+    # gloo and NCCL run the recorded all-gathers as one coalesced work. torch 2.13 renamed
+    # all_gather_into_tensor (now a deprecated alias, warning at every call) all_gather_single.
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     with dist._coalescing_manager(group, async_ops=True) as coalesced:
         for full, send in zip(fulls, sends):
-            dist.all_gather_into_tensor(full, send, group=group)
+            all_gather(full, send, group=group)
     coalesced.wait()
     return {name: full[: shape[0]] for (name, shape, _), full in zip(shards, fulls)}
