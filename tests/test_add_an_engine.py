@@ -192,3 +192,18 @@ def test_a_session_updates_toy_engines_bit_exact_with_their_own_loader():
         for endpoint in endpoints:
             endpoint.close()
         del registry().entries["engine_targets"]["toy"]
+
+
+
+def test_a_rank_holding_nothing_of_a_tensor_has_no_runs_for_it():
+    sources = {n: t.detach().clone() for n, t in hf_model(0).state_dict().items()}
+    _, _, table = engine_rank(2, 0, sources)
+    layout = ToyTarget().layout(table, specs_of(sources))
+    (qkv,) = [g for g in layout.groups() if g.outputs == ("layers.0.qkv",)]
+    only_k = {"layers.0.k.weight": [(0, sources["layers.0.k.weight"].numel())]}
+    runs = layout.copy_runs(qkv, only_k)
+    rows = HEADS // 2 * HEAD_DIM
+    # rank 0 holds k's first `rows` rows, contiguous in the middle third of its qkv: one run
+    assert [(r.source, r.param_offset, r.source_offset, r.numel) for r in runs] == [
+        ("layers.0.k.weight", rows * HIDDEN, 0, rows * HIDDEN)
+    ]

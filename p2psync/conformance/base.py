@@ -124,6 +124,19 @@ class EngineCase:
     layout: Callable[[TargetTable, Mapping[str, ParamSpec]], Layout]
 
 
+def row_shards(tensors: Mapping[str, torch.Tensor], world: int, rank: int) -> dict[str, list[tuple[int, int]]]:
+    """The flat element ranges of each tensor that rank `rank` of `world` holds when every tensor
+    is split by rows as FSDP2 shards it (`torch.chunk`: ceil(rows / world) rows each)."""
+    held = {}
+    for name, t in tensors.items():
+        chunk = -(-t.shape[0] // world) if t.dim() else 1
+        per_row = t[0].numel() if t.dim() > 1 else 1
+        rows = t.shape[0] if t.dim() else 1
+        first, last = min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+        held[name] = [(first * per_row, last * per_row)] if last > first else []
+    return held
+
+
 def specs_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, ParamSpec]:
     return {n: ParamSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in tensors.items()}
 
@@ -158,6 +171,45 @@ class EngineTargetTests:
             mask = written[name]
             assert mask.any(), f"{name}: nothing written"
             assert torch.equal(held[name][mask], want[mask]), f"{name}: bytes differ from the engine's loader"
+
+    @pytest.mark.parametrize("world", [2, 3])
+    def test_each_trainer_shard_writes_its_own_part_without_a_gather(self, engine_case: EngineCase, world: int) -> None:
+        """Gather-free: with every HF tensor split by rows over `world` trainer ranks (as FSDP2
+        shards), each rank's `copy_runs`, the constants and the groups that must be gathered
+        write exactly the bytes the engine's loader writes, and nothing outside them."""
+        layout = engine_case.layout(engine_case.table, specs_of(engine_case.sources))
+        params = {p.name: p for p in engine_case.table.params}
+        held = {n: torch.zeros(p.nbytes, dtype=torch.uint8) for n, p in params.items()}
+        wrote = {n: torch.zeros(p.nbytes, dtype=torch.bool) for n, p in params.items()}
+        loader = {n: torch.zeros(p.nbytes, dtype=torch.bool) for n, p in params.items()}
+
+        def put(name: str, start: int, data: torch.Tensor) -> None:
+            assert not wrote[name][start : start + data.numel()].any(), f"{name}: bytes at {start} written twice"
+            held[name][start : start + data.numel()] = data
+            wrote[name][start : start + data.numel()] = True
+
+        for group in layout.groups():
+            out = torch.zeros(group.nbytes, dtype=torch.uint8)
+            regions = layout.fill(group, engine_case.sources, out)
+            for r in regions:
+                loader[r.param][r.param_offset : r.param_offset + r.nbytes] = True
+            if layout.copy_runs(group, {}) is None:  # not copies: gathered, as before
+                for r in regions:
+                    put(r.param, r.param_offset, out[r.buffer_offset : r.buffer_offset + r.nbytes])
+                continue
+            out.zero_()
+            for r in layout.fill_constants(group, out):
+                put(r.param, r.param_offset, out[r.buffer_offset : r.buffer_offset + r.nbytes])
+            for rank in range(world):
+                for run in layout.copy_runs(group, row_shards(engine_case.sources, world, rank)):
+                    dtype = getattr(torch, params[run.param].dtype)
+                    src = engine_case.sources[run.source].reshape(-1)[run.source_offset : run.source_offset + run.numel]
+                    size = dtype.itemsize
+                    put(run.param, run.param_offset * size, src.to(dtype).view(torch.uint8))
+        for name, expected in engine_case.expected.items():
+            want = expected.contiguous().reshape(-1).view(torch.uint8)
+            assert torch.equal(wrote[name], loader[name]), f"{name}: gather-free writes other bytes than the loader"
+            assert torch.equal(held[name][wrote[name]], want[wrote[name]]), f"{name}: gather-free bytes differ"
 
     def test_a_shape_the_trainer_does_not_have_is_refused(self, engine_case: EngineCase) -> None:
         name, tensor = next(iter(engine_case.sources.items()))

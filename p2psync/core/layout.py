@@ -36,6 +36,18 @@ class ParamGroup:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class CopyRun:
+    """`numel` elements of HF tensor `source`, from its flat element `source_offset`, copied
+    (cast to the parameter's dtype) to flat element `param_offset` of parameter `param`."""
+
+    param: str
+    param_offset: int
+    source: str
+    source_offset: int
+    numel: int
+
+
 class Layout(ABC):
     """Turns HF tensors into the bytes of one target (one layout key and rank)."""
 
@@ -58,3 +70,15 @@ class Layout(ABC):
         trainer gathers them give the same bytes, and the gather moves fewer. None (the
         default) where the bytes are computed from the inputs in their own dtype."""
         return None
+
+    def copy_runs(self, group: ParamGroup, held: Mapping[str, Sequence[tuple[int, int]]]) -> list[CopyRun] | None:
+        """The copies of `group` whose source elements this trainer rank holds: `held` gives,
+        per HF tensor, the flat element ranges [start, end) it holds. With them, every rank
+        writes its own part of a target without gathering. None (the default) where the
+        group's bytes are not only copies and constants: its inputs must be gathered."""
+        return None
+
+    def fill_constants(self, group: ParamGroup, out: torch.Tensor) -> list[Region]:
+        """Write the constants `fill` writes for `group` (e.g. zeroed padding), and nothing
+        else, into `out`; the regions written. Needed with `copy_runs` only."""
+        return []

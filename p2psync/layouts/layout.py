@@ -22,11 +22,12 @@ from typing import Literal
 import torch
 
 from ..core.errors import ConnectError, where
-from ..core.layout import Layout, ParamGroup, aligned
+from ..core.layout import CopyRun, Layout, ParamGroup, aligned
 from ..core.types import ParamSpec, Region, TargetTable, numel
 from .copymap import UNTOUCHED, Block, compile_blocks, replay, written_runs
 from .probe import ElementMap, connected_groups, probe_elements, trace_feeds, written_bytes
 from .rank_model import ParameterHolders, RankModel
+from .shard import block_runs
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,22 @@ class EngineLayout(Layout):
         if any(p.blocks is None for p in compiled.params) or len(dtypes) != 1:
             return None
         return str(dtypes.pop()).removeprefix("torch.")
+
+    def copy_runs(self, group: ParamGroup, held: Mapping[str, Sequence[tuple[int, int]]]) -> list[CopyRun] | None:
+        compiled = self._groups[group.outputs]
+        if any(p.blocks is None for p in compiled.params):
+            return None
+        return [run for p in compiled.params for run in block_runs(p.slot.name, p.blocks or (), held)]
+
+    def fill_constants(self, group: ParamGroup, out: torch.Tensor) -> list[Region]:
+        compiled = self._groups[group.outputs]
+        regions = []
+        for p in compiled.params:
+            constants = [b for b in p.blocks or () if b.source is None]
+            replay(constants, {}, p.slot.view(out).view(-1))
+            size = p.slot.dtype.itemsize
+            regions += [Region(p.slot.name, b.dst_offset * size, p.slot.offset + b.dst_offset * size, b.sizes[0] * size) for b in constants]
+        return regions
 
     # -- compile ---------------------------------------------------------------------------
 

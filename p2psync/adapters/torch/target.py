@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from ...core.endpoint import EndpointControl
 from ...core.engine import EngineControl, EngineTarget
 from ...core.errors import ConnectError, where
-from ...core.layout import Layout, ParamGroup
+from ...core.layout import CopyRun, Layout, ParamGroup
 from ...core.types import ParamSpec, Region, TargetParam, TargetTable
 
 if TYPE_CHECKING:
@@ -65,6 +65,10 @@ class IdentityLayout(Layout):
         param = self._params[name]
         out[: param.nbytes].view(getattr(torch, param.dtype)).view(param.shape).copy_(tensors[name])
         return [Region(name, 0, 0, param.nbytes)]
+
+    def copy_runs(self, group: ParamGroup, held: Mapping[str, Sequence[tuple[int, int]]]) -> list[CopyRun]:
+        (name,) = group.outputs
+        return [CopyRun(name, start, name, start, end - start) for start, end in held.get(name, ()) if end > start]
 
 
 class TorchEngineTarget(EngineTarget):
