@@ -92,7 +92,9 @@ def cases(blocks: tuple[tuple[int, int], ...] = BLOCKS, without: tuple[str, ...]
     ]
 
 
-def assert_same_bytes(ours: dict[str, torch.Tensor], name: str, ref_weight: torch.Tensor, ref_scale: torch.Tensor, scale_name: str):
+def assert_same_bytes(
+    ours: dict[str, torch.Tensor], name: str, ref_weight: torch.Tensor, ref_scale: torch.Tensor, scale_name: str
+) -> None:
     weight, scale = ours[name], ours[scale_name]
     assert weight.dtype == FP8 and ref_weight.dtype == FP8
     assert weight.shape == ref_weight.shape, (weight.shape, ref_weight.shape)
@@ -113,10 +115,11 @@ def _sglang_fp8_utils():
     )
 
 
+VERL_MISSING = "verl (p2psync[verl], verl==0.9.1) is not installed; run `tox -e integrations`"
+
+
 def _verl_fp8_kernel():
-    return pytest.importorskip(
-        "verl.utils.kernel.fp8_kernel", reason="verl (p2psync[verl], verl==0.9.1) is not installed; run `tox -e integrations`"
-    )
+    return pytest.importorskip("verl.utils.kernel.fp8_kernel", reason=VERL_MISSING)
 
 
 @pytest.mark.parametrize("dtype,block,label,x", cases(((128, 128),)))
@@ -145,7 +148,7 @@ def test_block_linear_verl_torch_equals_verl_pytorch_path(dtype, block, label, x
 
 
 LINEAR_KERNELS = {
-    "verl": ("verl.utils.kernel.fp8_kernel", "verl (p2psync[verl], verl==0.9.1) is not installed; run `tox -e integrations`"),
+    "verl": ("verl.utils.kernel.fp8_kernel", VERL_MISSING),
     "slime": ("slime.utils.fp8_kernel", "slime is not on PyPI (github.com/THUDM/slime, slime/utils/fp8_kernel.py)"),
     "miles": ("miles.utils.fp8_kernel", "miles is not on PyPI (github.com/radixark/miles, miles/utils/fp8_kernel.py)"),
 }
@@ -201,7 +204,12 @@ def test_block_linear_follows_the_kernels_op_order(dtype, block, label, x):
 
 # --- what holds for every quantizer, without a reference ---
 
-QUANTIZERS = [("block-linear", (128, 128)), ("block-linear-verl-torch", (64, 64)), ("block-ue8m0", (128, 128)), ("per-tensor", None)]
+QUANTIZERS = [
+    ("block-linear", (128, 128)),
+    ("block-linear-verl-torch", (64, 64)),
+    ("block-ue8m0", (128, 128)),
+    ("per-tensor", None),
+]
 
 
 @pytest.mark.parametrize("name,block", QUANTIZERS)
@@ -232,7 +240,8 @@ def test_a_stack_of_matrices_is_quantized_matrix_by_matrix(name, block):
     scale_name = quantizer.scale_name("e.weight")
     stacked = quantizer.quantize("e.weight", experts)
     one_by_one = [quantizer.quantize("e.weight", e) for e in experts]
-    assert torch.equal(stacked["e.weight"].view(torch.uint8), torch.stack([o["e.weight"] for o in one_by_one]).view(torch.uint8))
+    one_by_one_weights = torch.stack([o["e.weight"] for o in one_by_one])
+    assert torch.equal(stacked["e.weight"].view(torch.uint8), one_by_one_weights.view(torch.uint8))
     assert torch.equal(stacked[scale_name], torch.stack([o[scale_name] for o in one_by_one]))
     expected_scale_shape = (3, 2, 2) if block == (128, 128) else (3, 4, 3) if block == (64, 64) else (3,)
     assert stacked[scale_name].shape == expected_scale_shape
@@ -308,7 +317,8 @@ def test_verl_torch_refuses_blocks_where_verls_own_function_overflows():
 
 
 @pytest.mark.parametrize("name,block,message", [
-    ("block-absmax", None, "unknown quantizer 'block-absmax'; valid: block-linear, block-linear-verl-torch, block-ue8m0, per-tensor"),
+    ("block-absmax", None,
+     "unknown quantizer 'block-absmax'; valid: block-linear, block-linear-verl-torch, block-ue8m0, per-tensor"),
     ("block-linear", (128,), "needs a block size"),
     ("block-linear", (0, 128), "needs a block size"),
     ("block-linear", (128.0, 128), "needs a block size"),
@@ -325,11 +335,13 @@ def test_default_block_is_128():
 
 # --- the quantization config each quantizer stands for ---
 
+DYNAMIC_E4M3 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+
 
 @pytest.mark.parametrize("name,block,config", [
-    ("block-linear", (128, 128), {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}),
-    ("block-ue8m0", (64, 64), {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [64, 64]}),
-    ("per-tensor", None, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}),
+    ("block-linear", (128, 128), {**DYNAMIC_E4M3, "weight_block_size": [128, 128]}),
+    ("block-ue8m0", (64, 64), {**DYNAMIC_E4M3, "weight_block_size": [64, 64]}),
+    ("per-tensor", None, DYNAMIC_E4M3),
 ])
 def test_quantization_config_is_what_the_engine_serves(name, block, config):
     quantizer = quantizers.get(name, block)
@@ -341,9 +353,9 @@ def test_quantization_config_is_what_the_engine_serves(name, block, config):
 @pytest.mark.parametrize("engine_config,message", [
     (None, "has no quantization_config"),
     ({"quant_method": "awq"}, "quant_method is 'awq'"),
-    ({"quant_method": "fp8", "fmt": "e5m2", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}, "fmt is 'e5m2'"),
-    ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "activation_scheme is 'static'"),
-    ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [64, 64]}, r"weight_block_size is \[64, 64\], ours is \[128, 128\]"),
+    ({**DYNAMIC_E4M3, "fmt": "e5m2", "weight_block_size": [128, 128]}, "fmt is 'e5m2'"),
+    ({**DYNAMIC_E4M3, "activation_scheme": "static", "weight_block_size": [128, 128]}, "activation_scheme is 'static'"),
+    ({**DYNAMIC_E4M3, "weight_block_size": [64, 64]}, r"weight_block_size is \[64, 64\], ours is \[128, 128\]"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic"}, r"weight_block_size is None, ours is \[128, 128\]"),
 ])
 def test_engine_configs_a_quantizer_does_not_serve_are_refused(engine_config, message):

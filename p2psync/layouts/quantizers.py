@@ -148,21 +148,27 @@ class Quantizer:
         return "weight_scale_inv" if self.block else "weight_scale"
 
     def scale_name(self, hf_name: str) -> str:
-        """The checkpoint name of `hf_name`'s scale: `...weight` -> `...weight_scale_inv` (blocks) or `...weight_scale`."""
+        """The checkpoint name of `hf_name`'s scale: `...weight` -> `...weight_scale_inv` (blocks)
+        or `...weight_scale` (per tensor)."""
         if not hf_name.endswith("weight"):
-            raise QuantizerError(f"quantizer {self.name!r}: {hf_name!r} is not a weight; only `...weight` tensors are quantized")
+            raise QuantizerError(
+                f"quantizer {self.name!r}: {hf_name!r} is not a weight; only `...weight` tensors are quantized"
+            )
         return hf_name[: -len("weight")] + self.scale_suffix
 
     def quantize(self, hf_name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         """{hf_name: float8_e4m3fn weight, scale name: float32 scale}, on `tensor`'s device."""
         scale_name = self.scale_name(hf_name)
         if tensor.dtype not in INPUT_DTYPES:
-            what = "is already fp8" if tensor.dtype.itemsize == 1 and tensor.is_floating_point() else f"is {tensor.dtype}"
+            fp8 = tensor.dtype.itemsize == 1 and tensor.is_floating_point()
+            what = "is already fp8" if fp8 else f"is {tensor.dtype}"
             raise QuantizerError(
                 f"quantizer {self.name!r}: {hf_name!r} {what}; the trainer must send bf16, fp16 or fp32 tensors"
             )
         if tensor.dim() < 2:
-            raise QuantizerError(f"quantizer {self.name!r}: {hf_name!r} has shape {tuple(tensor.shape)}; fp8 weights are matrices")
+            raise QuantizerError(
+                f"quantizer {self.name!r}: {hf_name!r} has shape {tuple(tensor.shape)}; fp8 weights are matrices"
+            )
         block = self.block or tuple(tensor.shape[-2:])
         try:
             weight, scale = quantize_blocks(tensor, block, RULES[self.name])
