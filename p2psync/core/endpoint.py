@@ -91,10 +91,9 @@ class EngineEndpoint:
     ) -> EngineEndpoint:
         """Create an endpoint over `transport` (an instance, or a registered name built with
         `transport_options`) and start it: what every engine adapter's `serve` does."""
-        if isinstance(transport, str):
-            from .plugins import registry
+        from .plugins import registry
 
-            transport = registry().transport(transport)(options=transport_options)
+        transport = registry().make_transport(transport, transport_options)
         endpoint = cls(transport=transport, **fields)
         endpoint.start()
         return endpoint

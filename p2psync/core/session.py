@@ -105,8 +105,7 @@ class Session:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.registry = registry or default_registry()
-        if isinstance(transport, str):
-            transport = self.registry.transport(transport)(options=transport_options)
+        transport = self.registry.make_transport(transport, transport_options)
         transport.bind(rendezvous)
         self.source = source
         self.transport = transport

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,21 +35,32 @@ def rdma_devices() -> list[str]:
     return sorted(p.name for p in path.iterdir()) if path.is_dir() else []
 
 
+@dataclass(frozen=True)
+class MooncakeOptions:
+    """`host`: the address peers reach this process at (default $P2PSYNC_HOST or 127.0.0.1);
+    `protocol`: Mooncake's ("auto": rdma when an RDMA device exists, else tcp);
+    `device_name`: RDMA devices ("" = all); `log_level`: Mooncake's own (default WARNING:
+    its INFO level logs every batch; $MC_LOG_LEVEL wins when set)."""
+
+    host: str | None = None
+    protocol: str = "auto"
+    device_name: str = ""
+    log_level: str = "WARNING"
+
+
 class MooncakeTransport(Transport):
-    """Options: `host` (default $P2PSYNC_HOST or 127.0.0.1), `protocol` ("auto": rdma
-    when an RDMA device exists, else tcp), `device_name` (RDMA devices, "" = all),
-    `log_level` (Mooncake's own, default WARNING: its INFO level logs every batch;
-    $MC_LOG_LEVEL wins when set)."""
+    """Mooncake Transfer Engine; options: `MooncakeOptions`."""
 
     name = "mooncake"
     requires = ("mooncake.engine",)
     # Device memory needs the CUDA wheel (`mooncake-transfer-engine`, extra `mooncake-cuda`).
     devices = ("cpu", "cuda")
+    Options = MooncakeOptions
 
-    def __init__(self, *, options: dict[str, Any] | None = None) -> None:
+    def __init__(self, *, options: Mapping[str, Any] | MooncakeOptions | None = None) -> None:
         super().__init__(options=options)
-        self.host = str(self.options.get("host") or os.environ.get("P2PSYNC_HOST", "127.0.0.1"))
-        requested = str(self.options.get("protocol", "auto"))
+        self.host = self.options.host or os.environ.get("P2PSYNC_HOST", "127.0.0.1")
+        requested = self.options.protocol
         devices = rdma_devices()
         if requested == "auto":
             self.protocol = "rdma" if devices else "tcp"
@@ -58,14 +70,14 @@ class MooncakeTransport(Transport):
             self.protocol = "tcp"
         else:
             self.protocol = requested
-        self.device_name = str(self.options.get("device_name", ""))
+        self.device_name = self.options.device_name
         self._engine: Any = None
         self._registered: list[int] = []
 
     @property
     def engine(self) -> Any:
         if self._engine is None:
-            os.environ.setdefault("MC_LOG_LEVEL", str(self.options.get("log_level", "WARNING")))
+            os.environ.setdefault("MC_LOG_LEVEL", self.options.log_level)
             from mooncake.engine import TransferEngine
 
             engine = TransferEngine()
