@@ -38,6 +38,18 @@ class ControlError(P2PSyncError):
     """An engine control call (pause, resume, digest, ...) failed."""
 
 
+class UpdateError(P2PSyncError):
+    """`update` failed on the trainer side (a gather, a collective, the caller's own code).
+
+    The engines it paused are not resumed: each marks itself stale once its update
+    lease runs out. The session cannot be used again.
+    """
+
+
+class TrainerLost(UpdateError):
+    """A trainer rank left the world during `update`; the message names it."""
+
+
 def where(engine_id: str, rank: int | None = None, param: str | None = None) -> str:
     """Format the place an error is about, the same way everywhere."""
     text = f"engine {engine_id!r}"
