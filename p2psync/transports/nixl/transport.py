@@ -21,6 +21,11 @@ after all Python code has run (exit status 139). Unless told otherwise
 (`ucx_modules`, or $UCX_MODULES), the transport keeps UCX from loading its EFA
 module (`UCX_MODULES=^efa`), which avoids the crash; EFA is an AWS fabric that
 NIXL reaches through its LIBFABRIC backend anyway.
+
+Ports: the agent runs no listener thread, and UCX's TCP transport listens on a port
+the kernel assigns (it binds port 0 unless $UCX_TCP_PORT_RANGE says otherwise), so
+engines starting at once cannot take each other's port, unlike Mooncake's random
+pick (see the Mooncake transport).
 """
 
 from __future__ import annotations
