@@ -127,7 +127,8 @@ def test_an_endpoint_that_loses_a_port_race_starts_again_on_a_fresh_port(monkeyp
     try:
         assert RacingEngine.races == 0
         assert sum("lost a port race" in r.getMessage() for r in caplog.records) == 2
-        with Session(source=FSDP2Source(small_model(0)), transport="mooncake", rendezvous=rendezvous, check=True) as session:
+        source = FSDP2Source(small_model(0))
+        with Session(source=source, transport="mooncake", rendezvous=rendezvous, check=True) as session:
             session.connect(["e"])
             report = session.update("v1")
             assert report.ok and report.engines["e"].checked, report.format()
@@ -149,7 +150,8 @@ def test_twenty_sessions_in_one_process_leave_nothing_behind():
 
         def cycle(step: int) -> MooncakeTransport:
             transport = MooncakeTransport()
-            with Session(source=FSDP2Source(model), transport=transport, rendezvous=group.rendezvous, check=True) as session:
+            source = FSDP2Source(model)
+            with Session(source=source, transport=transport, rendezvous=group.rendezvous, check=True) as session:
                 session.connect(["a"])
                 assert session.update(f"v{step}").ok
                 assert transport.registered_bytes == session.buffer_bytes > 0

@@ -29,7 +29,7 @@ import pytest
 pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is not installed")
 
 import torch  # noqa: E402
-from harness import engines, small_model  # noqa: E402
+from harness import RecordingTransport, engines, small_model  # noqa: E402
 
 from p2psync.adapters.fsdp2 import FSDP2Source  # noqa: E402
 from p2psync.adapters.torch import serve  # noqa: E402
@@ -38,7 +38,6 @@ from p2psync.core.endpoint import EndpointControl, EngineHooks  # noqa: E402
 from p2psync.core.errors import ConnectError, ControlError, P2PSyncError, RendezvousError, UpdateError  # noqa: E402
 from p2psync.core.rendezvous import Rendezvous  # noqa: E402
 from p2psync.core.session import Session  # noqa: E402
-from p2psync.core.transport import Transport  # noqa: E402
 from p2psync.core.types import TargetParam, TargetTable  # noqa: E402
 
 TIMEOUT = 3.0
@@ -72,27 +71,6 @@ def perturb(model: torch.nn.Module, step: int) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(step)))
-
-
-class NoWrites(Transport):
-    """Exposes memory without registering it anywhere: for endpoints driven by control calls only."""
-
-    name = "mooncake"
-
-    def expose(self, tensors):
-        return {"session": "127.0.0.1:1"}
-
-    def register_buffer(self, buffer):
-        raise AssertionError("engines register no buffers")
-
-    def unregister_buffer(self, buffer):
-        raise AssertionError("engines register no buffers")
-
-    def open(self, table):
-        raise AssertionError("engines open no peers")
-
-    def close(self):
-        pass
 
 
 @contextmanager
@@ -164,7 +142,7 @@ def test_a_second_live_publisher_of_an_engine_id_is_refused():
         group.start("a")
         first = group.rendezvous.read_engine("a")[0]
         with pytest.raises(RendezvousError) as error:
-            serve(small_model(1), engine_id="a", rendezvous=group.rendezvous, transport=NoWrites())
+            serve(small_model(1), engine_id="a", rendezvous=group.rendezvous, transport=RecordingTransport())
         assert str(error.value).startswith(
             f"engine 'a' rank 0 is already served by incarnation 0 at {first.control_url} ({first.instance}); "
         )
@@ -180,7 +158,9 @@ def test_an_explicit_incarnation_replaces_a_live_predecessor_which_stops_serving
     with engines() as group:
         group.start("a")
         first = group.rendezvous.read_engine("a")[0]
-        successor = serve(small_model(1), engine_id="a", rendezvous=group.rendezvous, transport=NoWrites(), incarnation=1)
+        successor = serve(
+            small_model(1), engine_id="a", rendezvous=group.rendezvous, transport=RecordingTransport(), incarnation=1
+        )
         try:
             assert group.rendezvous.read_engine("a")[0].incarnation == 1
             old = status(group.rendezvous, "a", url=first.control_url)
@@ -197,7 +177,9 @@ def test_a_restarted_engine_replaces_its_dead_predecessor_as_the_next_incarnatio
         group.kill("a")
         group.start("a", seed=3)
         table = wait_for(
-            lambda: next((t for t in group.rendezvous.read_engine("a") if t.incarnation == 1), None), 60, "incarnation 1"
+            lambda: next((t for t in group.rendezvous.read_engine("a") if t.incarnation == 1), None),
+            60,
+            "incarnation 1",
         )
         with session_for(group.rendezvous) as session:
             session.connect(["a"])
@@ -212,7 +194,9 @@ def test_an_abandoned_update_marks_the_engine_stale_until_the_next_update(caplog
     rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="lease", is_server=True, timeout=5)
     stale: list[str] = []
     hooks = EngineHooks(on_stale=stale.append, routes={"generate": lambda body: {"tokens": [1, 2]}})
-    endpoint = serve(small_model(1), engine_id="e", rendezvous=rendezvous, transport=NoWrites(), hooks=hooks, version="v0")
+    endpoint = serve(
+        small_model(1), engine_id="e", rendezvous=rendezvous, transport=RecordingTransport(), hooks=hooks, version="v0"
+    )
     try:
         control = EndpointControl(rendezvous.read_engine("e"), timeout=5, token=rendezvous.token())
         url = endpoint.url
@@ -249,17 +233,23 @@ def test_an_engine_serves_no_weights_of_unknown_version():
     rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="fresh", is_server=True, timeout=5)
     paused: list[bool] = []
     hooks = EngineHooks(pause=lambda: paused.append(True), routes={"generate": lambda body: {"tokens": [3]}})
-    endpoint = serve(small_model(1), engine_id="e", rendezvous=rendezvous, transport=NoWrites(), hooks=hooks)
+    endpoint = serve(small_model(1), engine_id="e", rendezvous=rendezvous, transport=RecordingTransport(), hooks=hooks)
     try:
         assert paused == [True]  # held out of serving from the start
         assert status(rendezvous, "e")["serving"] is False
         with pytest.raises(ControlError) as error:
             post(endpoint.url, "generate", token=rendezvous.token(), timeout=5)
-        assert "engine 'e' rank 0 is not serving: it holds weights of no known version (waiting for its first update)" in str(error.value)
+        assert (
+            "engine 'e' rank 0 is not serving: it holds weights of no known version (waiting for its first update)"
+            in str(error.value)
+        )
         assert "503" in str(error.value)
     finally:
         endpoint.close()
-    declared = serve(small_model(1), engine_id="d", rendezvous=rendezvous, transport=NoWrites(), hooks=hooks, version="ckpt-0")
+    declared = serve(
+        small_model(1), engine_id="d", rendezvous=rendezvous, transport=RecordingTransport(), hooks=hooks,
+        version="ckpt-0",
+    )
     try:
         assert status(rendezvous, "d")["serving"] is True
         assert post(declared.url, "generate", token=rendezvous.token(), timeout=5) == {"tokens": [3]}

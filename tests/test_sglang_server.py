@@ -50,7 +50,9 @@ def plugin_dir(root: Path) -> Path:
 
 
 @contextmanager
-def sglang_server(tmp_path: Path, flags: list[str], env: dict[str, str], ready: str = "/health_generate") -> Iterator[str]:
+def sglang_server(
+    tmp_path: Path, flags: list[str], env: dict[str, str], ready: str = "/health_generate"
+) -> Iterator[str]:
     """A real sglang server on CPU holding the seed-1 model, with p2psync's plugin installed; its
     URL once `ready` answers."""
     model = build_model("tiny", seed=1)
@@ -134,7 +136,8 @@ def test_server_with_p2psync_endpoint_from_the_plugin_is_updated_and_checked(tmp
     trainer, _ = trainer_model()
     rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="sglang-plugin", is_server=True)
     settings = {
-        "rendezvous": f"127.0.0.1:{rendezvous.port}", "job_id": rendezvous.job_id, "engine_id": "server", "version": "v1",
+        "rendezvous": f"127.0.0.1:{rendezvous.port}", "job_id": rendezvous.job_id, "engine_id": "server",
+        "version": "v1",
     }
     with sglang_server(tmp_path, [], {ENDPOINT_ENV: json.dumps(settings)}) as url:
         update_and_check(url, trainer, rendezvous, check=True)

@@ -58,9 +58,9 @@ def test_an_unknown_transport_option_is_refused_before_the_session_binds():
 @pytest.mark.parametrize(
     ("name", "options", "message"),
     [
-        ("nixl", {"ucx_devices": "lo"}, r"transport 'nixl': unknown option\(s\) \['ucx_devices'\]; valid options: backend: str"),
+        ("nixl", {"ucx_devices": "lo"}, r"'nixl': unknown option\(s\) \['ucx_devices'\]; valid options: backend: str"),
         ("nixl", {"memory": "HBM"}, r"transport 'nixl': option memory='HBM' is not 'auto' \| 'DRAM' \| 'VRAM'"),
-        ("torchdist", {"connect_timeout": "10"}, r"transport 'torchdist': option connect_timeout='10' is not float \| NoneType"),
+        ("torchdist", {"connect_timeout": "10"}, r"'torchdist': option connect_timeout='10' is not float \| NoneType"),
         ("samehost", {"host": "a"}, r"transport 'samehost': unknown option\(s\) \['host'\]; valid options: none"),
     ],
 )

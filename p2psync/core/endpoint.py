@@ -27,7 +27,7 @@ from .control import ControlServer, Refused, post
 from .digest import byte_view, digest
 from .engine import EngineControl
 from .engine_state import EngineState
-from .errors import ControlError, P2PSyncError, RendezvousError, where
+from .errors import ControlError, P2PSyncError, RendezvousError, first_line, where
 from .types import Region, TargetParam, TargetTable
 
 if TYPE_CHECKING:
@@ -200,6 +200,7 @@ class EngineEndpoint:
             incarnation=self.requested_incarnation or 0,
             instance=f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}",
         )
+
     # -- one engine id, one engine -----------------------------------------------------
 
     def _claim(self, table: TargetTable) -> TargetTable:
@@ -243,15 +244,22 @@ class EngineEndpoint:
                 exc.__cause__.reason, ConnectionRefusedError
             ):
                 return None
-            return f"it did not answer as a dead engine would ({exc})"
+            return f"its control endpoint did not refuse a connection ({first_line(exc)})"
         if answer.get("instance") != held.instance:
             return None  # another process took its port
         return "it still answers"
 
     def _replaced(self, holder: TargetTable, table: TargetTable) -> None:
-        log.warning("%s: incarnation %d replaces incarnation %d (%s)", self.where, table.incarnation, holder.incarnation, holder.instance)
+        """Tell a replaced predecessor, should it still run, to stop serving for good."""
+        log.warning(
+            "%s: incarnation %d replaces incarnation %d (%s)", self.where, table.incarnation, holder.incarnation,
+            holder.instance,
+        )
         try:
-            post(holder.control_url, "retire", {"incarnation": table.incarnation}, token=self.token, timeout=PROBE_TIMEOUT)
+            post(
+                holder.control_url, "retire", {"incarnation": table.incarnation}, token=self.token,
+                timeout=PROBE_TIMEOUT,
+            )
         except ControlError as exc:  # a dead predecessor retires by itself
             log.info("%s: predecessor not told to retire: %s", self.where, exc)
 

@@ -41,7 +41,9 @@ class Heartbeat:
             if self._beats is None:
                 self._beats = self._rendezvous.clone()
             self._stop.clear()
-            self._thread = threading.Thread(target=self._run, args=(self._beats.store,), name="p2psync-heartbeat", daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, args=(self._beats.store,), name="p2psync-heartbeat", daemon=True
+            )
             self._thread.start()
         return self
 

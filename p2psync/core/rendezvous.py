@@ -21,7 +21,7 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from .errors import RendezvousError
+from .errors import RendezvousError, first_line
 from .types import TargetTable
 
 if TYPE_CHECKING:
@@ -62,7 +62,9 @@ class Rendezvous:
         self.timeout = timeout
         self.host = host
         if store is None and is_server:
-            store = dist.TCPStore(host, port, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+            store = dist.TCPStore(
+                host, port, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False
+            )
         self._store = store
         self._prefixed: dist.Store | None = None
         self.port = store.port if hasattr(store, "port") else port
@@ -105,7 +107,9 @@ class Rendezvous:
                 self.host, self.port, is_master=False, timeout=timedelta(seconds=self.timeout), wait_for_workers=False
             )
         except Exception as exc:  # DistNetworkError: it listened a moment ago
-            raise RendezvousError(f"rendezvous at {self.where} refused this client{awaited}: {_first_line(exc)}") from exc
+            raise RendezvousError(
+                f"rendezvous at {self.where} refused this client{awaited}: {first_line(exc)}"
+            ) from exc
         return self._store
 
     def clone(self) -> Rendezvous:
@@ -186,7 +190,7 @@ class Rendezvous:
                 pause = min(pause * 2, POLL[1])
         except Exception as exc:  # the store went away
             raise RendezvousError(
-                f"rendezvous {self.where} failed while waiting for key {key!r}{who}: {_first_line(exc)}"
+                f"rendezvous {self.where} failed while waiting for key {key!r}{who}: {first_line(exc)}"
             ) from exc
         raise RendezvousError(f"rendezvous {self.where}: key {key!r}{who} not published within {timeout:g} s")
 
@@ -207,8 +211,3 @@ def _wait_listening(host: str, port: int, deadline: float) -> str:
             return failure
         time.sleep(min(pause, left))
         pause = min(pause * 2, POLL[1])
-
-
-def _first_line(exc: BaseException) -> str:
-    """torch's store errors carry C++ frames after their first line."""
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -21,7 +21,7 @@ from .buckets import make_buckets
 from .buffers import BufferPool, Lease
 from .digest import byte_view, digest
 from .engine import EngineControl, EngineTarget
-from .errors import ConnectError, ControlError, P2PSyncError, TrainerLost, UpdateError, where
+from .errors import ConnectError, ControlError, P2PSyncError, TrainerLost, UpdateError, first_line, where
 from .layout import ALIGN, Layout, ParamGroup, aligned
 from .lease import UpdateLease
 from .liveness import Heartbeat
@@ -234,7 +234,8 @@ class Session:
         except Exception as exc:  # every rank must reach the all_gather below, whatever failed
             if not isinstance(exc, P2PSyncError):
                 log.exception("connect failed on this rank")
-            error = f"rank {self.rank}: {exc}" if isinstance(exc, P2PSyncError) else f"rank {self.rank}: {type(exc).__name__}: {exc}"
+            what = str(exc) if isinstance(exc, P2PSyncError) else f"{type(exc).__name__}: {exc}"
+            error = f"rank {self.rank}: {what}"
         errors = [e for e in collectives.all_gather(error) if e]
         if errors:
             candidate.close_unless_in(self._conn)
@@ -394,7 +395,9 @@ class Session:
                     continue
                 text = table.to_json()
                 reused = old.peers.get(table.target)
-                conn.peers[table.target] = reused if reused and reused[0] == text else (text, self.transport.open(table))
+                if reused is None or reused[0] != text:
+                    reused = (text, self.transport.open(table))
+                conn.peers[table.target] = reused
                 if engine not in conn.writers:
                     conn.writers[engine] = old.writers.get(engine) or EngineWriter(engine, self.transfer_timeout)
 
@@ -423,14 +426,14 @@ class Session:
         for writer in conn.writers.values():
             writer.abandon(str(error))
         self._broken = f"this session is unusable after update {version!r} failed; close it and connect a new one"
-        raise error from error.__cause__
+        raise error
 
     def _failure(self, version: str, exc: Exception) -> UpdateError:
         """The error that `update` raises for `exc`, naming the trainer ranks that were lost."""
         if isinstance(exc, UpdateError):
             return exc
         lost = self._heartbeat.lost()
-        cause = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}".rstrip(": ")
+        cause = f"{type(exc).__name__}: {first_line(exc)}"
         if lost:
             ranks = ", ".join(map(str, lost))
             error: UpdateError = TrainerLost(

@@ -165,7 +165,9 @@ class ServerControl(EngineControl):
         except ControlError as exc:
             if "already open" not in str(exc):
                 raise
-            log.warning("%s: taking over the weight-update session an abandoned update left open", where(self.engine_id))
+            log.warning(
+                "%s: taking over the weight-update session an abandoned update left open", where(self.engine_id)
+            )
 
     def finish(self, version: str) -> None:
         self._post("/end_weight_update", {})

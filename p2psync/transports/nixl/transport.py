@@ -170,7 +170,9 @@ class NixlTransport(Transport):
         self.environment: dict[str, str] = {}
         if opts.ucx_tls:
             self.environment["UCX_TLS"] = opts.ucx_tls
-        modules = opts.ucx_modules if opts.ucx_modules is not None else (None if "UCX_MODULES" in os.environ else "^efa")
+        modules = opts.ucx_modules
+        if modules is None and "UCX_MODULES" not in os.environ:
+            modules = "^efa"
         if modules:
             self.environment["UCX_MODULES"] = modules
         self.memory = opts.memory.upper()
