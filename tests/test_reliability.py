@@ -465,3 +465,52 @@ def test_a_key_that_never_comes_fails_within_the_timeout_naming_host_port_job_an
     )
     assert 2.0 <= seconds < 2.0 + 1.5
     assert "frame #" not in stderr and "Exception raised from" not in stderr, stderr
+
+
+# -- the sglang server after an abandoned update ------------------------------------------------
+
+
+@contextmanager
+def fake_sglang_server(begin_answer: tuple[int, dict]) -> Iterator[tuple[str, list[str]]]:
+    """An HTTP server answering sglang's weight-update routes as sglang 0.5.23 does; yields
+    its URL and the paths called."""
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from threading import Thread
+
+    calls: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            calls.append(self.path)
+            status, body = begin_answer if self.path == "/begin_weight_update" else (200, {"success": True})
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", calls
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_next_update_takes_over_the_weight_update_session_an_abandoned_one_left_open():
+    from p2psync.adapters.sglang.server import ServerControl
+
+    message = "a weight-update session is already open; call end_weight_update() first"  # sglang 0.5.23's words
+    left_open = (400, {"success": False, "message": message})
+    with fake_sglang_server(left_open) as (url, calls):
+        ServerControl(url, engine_id="s", timeout=5).pause("v2", 30.0)
+        assert calls == ["/pause_generation", "/begin_weight_update"]
+    with fake_sglang_server((400, {"success": False, "message": "out of memory"})) as (url, calls):
+        with pytest.raises(ControlError, match="engine 's': /begin_weight_update at .* failed: .*out of memory"):
+            ServerControl(url, engine_id="s", timeout=5).pause("v2", 30.0)

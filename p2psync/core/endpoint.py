@@ -147,6 +147,12 @@ class EngineEndpoint:
     def where(self) -> str:
         return where(self.engine_id, self.rank)
 
+    @property
+    def version(self) -> str | None:
+        """The version of the weights this rank holds (None while unknown)."""
+        with self._lock:
+            return self.state.version
+
     def start(self) -> TargetTable:
         """Take the engine out of serving unless its version is known, register the
         parameter memory, start serving control calls, claim the engine id and publish
