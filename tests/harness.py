@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from p2psync.core.rendezvous import Rendezvous
+from p2psync.core.transport import Transport
 
 
 def small_model(seed: int, width: int = 32) -> torch.nn.Module:
@@ -30,6 +31,30 @@ def small_model(seed: int, width: int = 32) -> torch.nn.Module:
         torch.nn.LayerNorm(2 * width),
         torch.nn.Linear(2 * width, 16, bias=False),
     )
+
+
+class RecordingTransport(Transport):
+    """Records what an engine exposes and registers nothing: for endpoints in the test process
+    that only answer control calls (it never writes)."""
+
+    name = "mooncake"
+    exposed: list[tuple[int, int]]
+
+    def expose(self, tensors):
+        self.exposed = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
+        return {"session": "127.0.0.1:1"}
+
+    def register_buffer(self, buffer):
+        raise AssertionError("engines register no buffers")
+
+    def unregister_buffer(self, buffer):
+        raise AssertionError("engines register no buffers")
+
+    def open(self, table):
+        raise AssertionError("engines open no peers")
+
+    def close(self):
+        pass
 
 
 def engine_process(

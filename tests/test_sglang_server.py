@@ -1,9 +1,12 @@
-"""A real single-rank sglang server on CPU, updated from a trainer over Mooncake.
+"""A real single-rank sglang server on CPU, updated from a trainer over Mooncake (tox env
+conformance-sglang).
 
 The server loads one random model; the trainer holds another. After one update,
 greedy generation through the server's HTTP API equals transformers with the
 trainer's weights, and the server reports the new weight version. p2psync's
 plugin reaches every server process through sglang's own plugin entry points.
+A trainer killed mid-update leaves the server paused and its endpoint stale, until
+the next trainer world updates it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch  # noqa: E402
 from p2psync.adapters.fsdp2 import FSDP2Source  # noqa: E402
 from p2psync.adapters.sglang.server import http, publish_server  # noqa: E402
 from p2psync.adapters.sglang.server_plugin import ENDPOINT_ENV  # noqa: E402
+from p2psync.core.control import post  # noqa: E402
 from p2psync.core.errors import ControlError  # noqa: E402
 from p2psync.core.rendezvous import Rendezvous  # noqa: E402
 from p2psync.core.session import Session  # noqa: E402
@@ -46,8 +50,11 @@ def plugin_dir(root: Path) -> Path:
 
 
 @contextmanager
-def sglang_server(tmp_path: Path, flags: list[str], env: dict[str, str]) -> Iterator[str]:
-    """A real sglang server on CPU holding the seed-1 model, with p2psync's plugin installed; its URL."""
+def sglang_server(
+    tmp_path: Path, flags: list[str], env: dict[str, str], ready: str = "/health_generate"
+) -> Iterator[str]:
+    """A real sglang server on CPU holding the seed-1 model, with p2psync's plugin installed; its
+    URL once `ready` answers."""
     model = build_model("tiny", seed=1)
     model.config.architectures = ["Qwen3ForCausalLM"]
     model.to(torch.bfloat16).save_pretrained(tmp_path / "model")
@@ -74,7 +81,7 @@ def sglang_server(tmp_path: Path, flags: list[str], env: dict[str, str]) -> Iter
             if process.poll() is not None:
                 pytest.fail(f"sglang server exited with {process.returncode}:\n{(tmp_path / 'server.log').read_text()[-3000:]}")
             try:
-                http(url, "/health_generate", timeout=10)
+                http(url, ready, timeout=10)
                 break
             except ControlError:
                 if time.monotonic() > deadline:
@@ -119,7 +126,7 @@ def test_server_with_its_own_transfer_engine_endpoint_is_updated(tmp_path):
     trainer, hf_config = trainer_model()
     rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="sglang-server", is_server=True)
     with sglang_server(tmp_path, ["--remote-instance-weight-loader-start-seed-via-transfer-engine"], {}) as url:
-        publish_server(url, engine_id="server", rendezvous=rendezvous, hf_config=hf_config)
+        publish_server(url, engine_id="server", rendezvous=rendezvous, hf_config=hf_config, version="v1")
         update_and_check(url, trainer, rendezvous, check=False)
 
 
@@ -128,6 +135,88 @@ def test_server_with_p2psync_endpoint_from_the_plugin_is_updated_and_checked(tmp
     """The plugin serves p2psync's endpoint in the scheduler and publishes its table; digests are checked."""
     trainer, _ = trainer_model()
     rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="sglang-plugin", is_server=True)
-    settings = {"rendezvous": f"127.0.0.1:{rendezvous.port}", "job_id": rendezvous.job_id, "engine_id": "server"}
+    settings = {
+        "rendezvous": f"127.0.0.1:{rendezvous.port}", "job_id": rendezvous.job_id, "engine_id": "server",
+        "version": "v1",
+    }
     with sglang_server(tmp_path, [], {ENDPOINT_ENV: json.dumps(settings)}) as url:
         update_and_check(url, trainer, rendezvous, check=True)
+
+
+#: A trainer process that starts an update of engine "server" and is killed (SIGKILL) after
+#: its third bucket, its writes partly landed.
+KILLED_TRAINER = """
+import os, signal, sys
+from p2psync.adapters.fsdp2 import FSDP2Source
+from p2psync.core.rendezvous import Rendezvous
+from p2psync.core.session import Session
+from p2psync.demo import build_model
+
+port, lease = int(sys.argv[1]), float(sys.argv[2])
+trainer = build_model("tiny", seed=2)
+trainer.config.architectures = ["Qwen3ForCausalLM"]
+rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id="sglang-fault")
+session = Session(source=FSDP2Source(trainer), transport="mooncake", rendezvous=rendezvous, bucket_bytes=1,
+                  transfer_timeout=10, update_lease=lease)
+session.connect(["server"])
+
+def die(done, total):
+    if done == 3:
+        print("killed after", done, "of", total, "buckets", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+session.update("v1", progress=die)
+"""
+
+
+def generates_within(url: str, seconds: float) -> bool:
+    try:
+        body = {"input_ids": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
+        http(url, "/generate", body, timeout=seconds)
+        return True
+    except ControlError:
+        return False
+
+
+@pytest.mark.slow
+def test_a_trainer_killed_mid_update_leaves_the_server_paused_until_the_next_trainer_updates_it(tmp_path):
+    lease = 8.0
+    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="sglang-fault", is_server=True, timeout=300)
+    settings = {"rendezvous": f"127.0.0.1:{rendezvous.port}", "job_id": rendezvous.job_id, "engine_id": "server"}
+    env = {ENDPOINT_ENV: json.dumps(settings), "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
+    with sglang_server(tmp_path, [], env, ready="/health") as url:
+        table = rendezvous.read_engine("server")[0]
+
+        def status() -> dict:
+            return post(table.control_url, "info", token=rendezvous.token(), timeout=30)
+
+        # Weights of no known version: out of serving until the first update.
+        assert (status()["version"], status()["serving"]) == (None, False)
+        assert not generates_within(url, 5)
+
+        killed = subprocess.run(
+            [sys.executable, "-c", KILLED_TRAINER, str(rendezvous.port), str(lease)],
+            capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
+        assert killed.returncode == -9 and "killed after 3 of" in killed.stdout, killed.stdout + killed.stderr[-3000:]
+
+        deadline = time.monotonic() + lease + 60
+        while status()["stale"] is None:
+            assert time.monotonic() < deadline, f"no stale mark: {status()}"
+            time.sleep(1)
+        stale = status()
+        assert stale["stale"].startswith("update abandoned at version 'v1' (was serving None): no finish within 8 s")
+        assert (stale["updating"], stale["serving"]) == ("v1", False)
+        assert not generates_within(url, 5)  # paused: never resumed with mixed weights
+
+        trainer = build_model("tiny", seed=3)  # the next trainer world
+        trainer.config.architectures = ["Qwen3ForCausalLM"]
+        assert greedy(trainer) not in (greedy(build_model("tiny", seed=1)), greedy(build_model("tiny", seed=2)))
+        with Session(source=FSDP2Source(trainer), transport="mooncake", rendezvous=rendezvous, check=True) as session:
+            session.connect(["server"])
+            report = session.update("v2")
+            assert report.ok and report.engines["server"].checked, report.format()
+        answer = generate(url)
+        assert answer["output_ids"] == greedy(trainer)
+        assert answer["meta_info"]["weight_version"] == "v2"
+        assert (status()["version"], status()["serving"], status()["stale"]) == ("v2", True, None)

@@ -25,6 +25,15 @@ Handler = Callable[[dict[str, Any]], dict[str, Any] | None]
 TOKEN_HEADER = "X-P2PSync-Token"
 
 
+class Refused(Exception):
+    """Raised by a handler for a call the engine's state does not allow: answered with
+    `status` (409 conflict, 503 not serving) and the message, and not logged as a failure."""
+
+    def __init__(self, message: str, status: int = 409) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class ControlServer:
     """Serves `POST /<route>` by calling `handlers[route](json_body)`.
 
@@ -45,6 +54,8 @@ class ControlServer:
                 try:
                     body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                     result = routes[route](body) or {}
+                except Refused as exc:
+                    return self._reply(exc.status, {"error": str(exc)})
                 except Exception as exc:  # reported to the caller, which names the engine
                     log.exception("control route %s failed", route)
                     return self._reply(500, {"error": f"{type(exc).__name__}: {exc}"})

@@ -1,24 +1,33 @@
 """The engine-side endpoint and its trainer-side control client.
 
 An endpoint runs inside an engine worker (one per rank): it registers exactly
-the rank's parameter memory with the transport, publishes the target table, and
-serves the control calls `pause`, `finish`, `digest`. Adapters whose engine has
-no control API of its own (a plain torch module, a worker without a server) use
-it as is; the callables say what pausing and resuming mean for that engine.
+the rank's parameter memory with the transport, claims the engine id and publishes
+the target table, and serves the control calls `pause`, `renew`, `finish`, `digest`,
+`info` (its status) and `retire`. Adapters whose engine has no control API of its own
+(a plain torch module, a worker without a server) use it as is; the callables say
+what pausing and resuming mean for that engine. Whether the engine may serve, and
+the lease of an update in progress, live in its `EngineState`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
+import socket
 import threading
+import time
+import urllib.error
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .control import ControlServer, post
+from .control import ControlServer, Refused, post
 from .digest import byte_view, digest
 from .engine import EngineControl
-from .errors import ControlError, where
+from .engine_state import EngineState
+from .errors import ControlError, P2PSyncError, RendezvousError, first_line, where
 from .types import Region, TargetParam, TargetTable
 
 if TYPE_CHECKING:
@@ -29,25 +38,48 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: Seconds a starting endpoint waits for the holder of its engine id to answer.
+PROBE_TIMEOUT = 5.0
+
 
 def _nothing() -> None:
     return None
 
 
+def _ignore(reason: str) -> None:
+    return None
+
+
 @dataclass
 class EngineHooks:
-    """What the engine does at each control call. Defaults do nothing."""
+    """What the engine does at each control call. Defaults do nothing.
+
+    `pause` takes the engine out of serving (at the start of an update, and at start-up
+    when the version of its weights is unknown), `resume` puts it back; they alternate.
+    `on_stale(reason)` is called when the engine marks itself stale (an update abandoned
+    by its trainer, a successor that replaced it), so that a framework can drain or
+    restart it; the engine stays out of serving meanwhile.
+    """
 
     pause: Callable[[], None] = _nothing
     post_process: Callable[[], None] = _nothing
     flush_cache: Callable[[], None] = _nothing
     resume: Callable[[], None] = _nothing
-    #: Extra routes, e.g. {"generate": fn(body) -> dict}, served beside the standard ones.
+    on_stale: Callable[[str], None] = _ignore
+    #: Extra routes, e.g. {"generate": fn(body) -> dict}, served beside the standard ones, and only
+    #: while the engine serves (else answered 503 with the reason).
     routes: Mapping[str, Callable[[dict[str, Any]], dict[str, Any] | None]] = field(default_factory=dict)
 
 
 class EngineEndpoint:
-    """Exposes one engine rank's parameters to trainers."""
+    """Exposes one engine rank's parameters to trainers.
+
+    `version` declares the version of the weights the engine loaded; without it the
+    engine holds weights of no known version and stays out of serving until its first
+    update lands. `incarnation` replaces a live predecessor of the same engine id and
+    rank explicitly (it must be higher than the predecessor's); without it the endpoint
+    refuses to start beside a live one, and replaces a dead one as the next incarnation.
+    """
 
     def __init__(
         self,
@@ -64,6 +96,8 @@ class EngineEndpoint:
         host: str = "127.0.0.1",
         token: str | None = None,
         extra: Mapping[str, Any] | None = None,
+        version: str | None = None,
+        incarnation: int | None = None,
     ) -> None:
         for name, tensor in params.items():
             if not tensor.is_contiguous():
@@ -80,9 +114,14 @@ class EngineEndpoint:
         self.host = host
         self.token = rendezvous.token() if token is None else token
         self.extra = dict(extra or {})
-        self.version: str | None = None
-        self.paused = False
+        self.requested_incarnation = incarnation
+        self.state = EngineState(version=version)
+        self.table: TargetTable | None = None
+        self.transport_info: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._closing = False
+        self._watch: threading.Thread | None = None
         self._server: ControlServer | None = None
 
     @classmethod
@@ -91,30 +130,67 @@ class EngineEndpoint:
     ) -> EngineEndpoint:
         """Create an endpoint over `transport` (an instance, or a registered name built with
         `transport_options`) and start it: what every engine adapter's `serve` does."""
-        if isinstance(transport, str):
-            from .plugins import registry
+        from .plugins import registry
 
-            transport = registry().transport(transport)(options=transport_options)
+        transport = registry().make_transport(transport, transport_options)
         endpoint = cls(transport=transport, **fields)
         endpoint.start()
         return endpoint
 
+    @property
+    def url(self) -> str:
+        """Where the control calls (and the hooks' extra routes) are served."""
+        assert self._server is not None, "start() first"
+        return self._server.url
+
+    @property
+    def where(self) -> str:
+        return where(self.engine_id, self.rank)
+
+    @property
+    def version(self) -> str | None:
+        """The version of the weights this rank holds (None while unknown)."""
+        with self._lock:
+            return self.state.version
+
     def start(self) -> TargetTable:
-        """Register the parameter memory, start serving control calls, publish the table."""
+        """Take the engine out of serving unless its version is known, register the
+        parameter memory, start serving control calls, claim the engine id and publish
+        the table. Raises RendezvousError, having released everything, if a live engine
+        holds the id."""
+        if not self.state.serving:
+            self.hooks.pause()
         self.transport.bind(self.rendezvous)
-        info = self.transport.expose(list(self.params.values()))
-        routes = {"pause": self._pause, "finish": self._finish, "digest": self._digest, "info": self._info}
-        routes.update(self.hooks.routes)
+        # Zero-element parameters have no memory to register (a transport may refuse
+        # size 0); their tables still list them, and no write ever reaches them.
+        self.transport_info = self.transport.expose([t for t in self.params.values() if t.numel() > 0])
+        routes = {
+            "pause": self._pause, "renew": self._renew, "finish": self._finish, "digest": self._digest,
+            "info": self._info, "retire": self._retire,
+        }
+        routes.update({name: self._serving_only(handler) for name, handler in self.hooks.routes.items()})
         self._server = ControlServer(routes, host=self.host, token=self.token)
-        table = TargetTable(
+        try:
+            self.table = self._claim(self._table())
+        except BaseException:
+            self._server.close()
+            self._server = None
+            self.transport.close()
+            raise
+        self._watch = threading.Thread(target=self._watch_lease, name=f"p2psync-lease-{self.engine_id}", daemon=True)
+        self._watch.start()
+        return self.table
+
+    def _table(self) -> TargetTable:
+        return TargetTable(
             engine_id=self.engine_id,
             rank=self.rank,
             world_size=self.world_size,
             engine=self.engine,
             layout_key=self.layout_key,
             transport=self.transport.name,
-            transport_info=info,
-            control_url=self._server.url,
+            transport_info=self.transport_info,
+            control_url=self.url,
             params=tuple(
                 TargetParam(
                     name=name,
@@ -127,33 +203,147 @@ class EngineEndpoint:
             ),
             job_id=self.rendezvous.job_id,
             extra=self.extra,
+            incarnation=self.requested_incarnation or 0,
+            instance=f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}",
         )
-        self.rendezvous.publish(table)
-        return table
+
+    # -- one engine id, one engine -----------------------------------------------------
+
+    def _claim(self, table: TargetTable) -> TargetTable:
+        """Publish `table`, replacing a predecessor only openly: a dead one as the next
+        incarnation, a live one only for a higher requested incarnation (which retires it)."""
+        holder: TargetTable | None = None
+        for _ in range(8):  # another claimant may win each round; it then holds the place
+            held = self.rendezvous.publish(table, replacing=holder)
+            if held is None:
+                if holder is not None:
+                    self._replaced(holder, table)
+                return table
+            holder = held
+            table = dataclasses.replace(table, incarnation=self._next_incarnation(held))
+        raise RendezvousError(f"{self.where}: its rendezvous place kept changing hands; start it again")
+
+    def _next_incarnation(self, held: TargetTable) -> int:
+        asked = self.requested_incarnation
+        described = f"incarnation {held.incarnation} at {held.control_url} ({held.instance})"
+        if asked is not None:
+            if asked > held.incarnation:
+                return asked
+            raise RendezvousError(
+                f"{self.where} is served by {described}; incarnation={asked} does not replace it: give a higher one"
+            )
+        answer = self._probe(held)
+        if answer is not None:
+            raise RendezvousError(
+                f"{self.where} is already served by {described}; {answer}: stop it, use another engine id, "
+                f"or start this one with incarnation={held.incarnation + 1} to replace it"
+            )
+        log.warning("%s: replacing %s, which no longer answers", self.where, described)
+        return held.incarnation + 1
+
+    def _probe(self, held: TargetTable) -> str | None:
+        """Why `held`'s publisher counts as alive, or None if it is gone."""
+        try:
+            answer = post(held.control_url, "info", token=self.token, timeout=PROBE_TIMEOUT)
+        except ControlError as exc:
+            if isinstance(exc.__cause__, urllib.error.URLError) and isinstance(
+                exc.__cause__.reason, ConnectionRefusedError
+            ):
+                return None
+            return f"its control endpoint did not refuse a connection ({first_line(exc)})"
+        if answer.get("instance") != held.instance:
+            return None  # another process took its port
+        return "it still answers"
+
+    def _replaced(self, holder: TargetTable, table: TargetTable) -> None:
+        """Tell a replaced predecessor, should it still run, to stop serving for good."""
+        log.warning(
+            "%s: incarnation %d replaces incarnation %d (%s)", self.where, table.incarnation, holder.incarnation,
+            holder.instance,
+        )
+        try:
+            post(
+                holder.control_url, "retire", {"incarnation": table.incarnation}, token=self.token,
+                timeout=PROBE_TIMEOUT,
+            )
+        except ControlError as exc:  # a dead predecessor retires by itself
+            log.info("%s: predecessor not told to retire: %s", self.where, exc)
+
+    # -- life -----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Withdraw the table, stop serving control calls, unregister the memory."""
-        self.rendezvous.unpublish(self.engine_id, self.rank)
+        """Withdraw the table (unless a successor replaced it), stop serving control calls,
+        unregister the memory."""
+        if self.table is not None:
+            try:
+                self.rendezvous.unpublish(self.table)
+            except P2PSyncError as exc:  # the rendezvous host may be gone first
+                log.info("%s: table not withdrawn: %s", self.where, exc)
+            self.table = None
+        with self._lock:
+            self._closing = True
+            self._changed.notify_all()
+        if self._watch is not None:
+            self._watch.join()
+            self._watch = None
         if self._server is not None:
             self._server.close()
             self._server = None
         self.transport.close()
 
+    def _watch_lease(self) -> None:
+        """Mark an update abandoned when its lease runs out (see EngineState)."""
+        while True:
+            with self._lock:
+                while not self._closing and self.state.lease_until is None:
+                    self._changed.wait()
+                if self._closing:
+                    return
+                self._changed.wait(max(0.0, self.state.lease_until - time.monotonic()))
+                reason = self.state.expire(time.monotonic())
+            if reason:
+                log.error("%s: %s; not serving until an update finishes", self.where, reason)
+                self.hooks.on_stale(reason)
+
+    # -- control routes -------------------------------------------------------------------
+
     def _pause(self, body: dict[str, Any]) -> dict[str, Any]:
+        version, lease = str(body["version"]), float(body["lease"])
         with self._lock:
-            self.hooks.pause()
-            self.paused = True
-        return {"paused": True}
+            was_serving = self.state.begin(version, lease, time.monotonic())
+            self._changed.notify_all()
+            if was_serving:
+                self.hooks.pause()
+        return self.state.status()
+
+    def _renew(self, body: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            self.state.renew(str(body["version"]), time.monotonic())
+            self._changed.notify_all()
+        return {}
 
     def _finish(self, body: dict[str, Any]) -> dict[str, Any]:
+        version = str(body["version"])
         with self._lock:
+            self.state.check_finish(version)
             self.hooks.post_process()
             self.hooks.flush_cache()
-            self.version = str(body["version"])
+            self.state.complete(version)
+            self._changed.notify_all()
             self.hooks.resume()
-            self.paused = False
-        log.info("rank %d: serving weight version %s", self.rank, self.version)
-        return {"version": self.version}
+        log.info("%s: serving weight version %s", self.where, version)
+        return {"version": version}
+
+    def _retire(self, body: dict[str, Any]) -> dict[str, Any]:
+        reason = f"replaced by incarnation {int(body['incarnation'])} of {self.where}"
+        with self._lock:
+            was_serving = self.state.retire(reason)
+            self._changed.notify_all()
+            if was_serving:
+                self.hooks.pause()
+        log.error("%s: %s; not serving any more", self.where, reason)
+        self.hooks.on_stale(reason)
+        return {}
 
     def _digest(self, body: dict[str, Any]) -> dict[str, Any]:
         out = {}
@@ -164,7 +354,23 @@ class EngineEndpoint:
         return {"digests": out}
 
     def _info(self, body: dict[str, Any]) -> dict[str, Any]:
-        return {"version": self.version, "paused": self.paused, "rank": self.rank}
+        with self._lock:
+            status = self.state.status()
+        table = self.table
+        return {
+            "rank": self.rank, "incarnation": table.incarnation if table else None,
+            "instance": table.instance if table else None, **status,
+        }
+
+    def _serving_only(self, handler: Callable[[dict[str, Any]], dict[str, Any] | None]) -> Callable[..., Any]:
+        def guarded(body: dict[str, Any]) -> dict[str, Any] | None:
+            with self._lock:
+                refused = None if self.state.serving else self.state.why_not_serving()
+            if refused is not None:
+                raise Refused(f"{self.where} is not serving: {refused}", status=503)
+            return handler(body)
+
+        return guarded
 
 
 class EndpointControl(EngineControl):
@@ -183,11 +389,20 @@ class EndpointControl(EngineControl):
 
     def check_access(self) -> None:
         for table in self.tables:
-            self._call(table, "info")
+            answer = self._call(table, "info")
+            if answer.get("instance") != table.instance:
+                raise ControlError(
+                    f"{where(table.engine_id, table.rank)}: {table.control_url} answers as {answer.get('instance')!r}, "
+                    f"not as {table.instance!r}, which published the table"
+                )
 
-    def pause(self) -> None:
+    def pause(self, version: str, lease: float) -> None:
         for table in self.tables:
-            self._call(table, "pause")
+            self._call(table, "pause", {"version": version, "lease": lease})
+
+    def renew(self, version: str) -> None:
+        for table in self.tables:
+            self._call(table, "renew", {"version": version})
 
     def finish(self, version: str) -> None:
         for table in self.tables:

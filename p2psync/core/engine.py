@@ -20,8 +20,13 @@ class EngineControl(ABC):
         one is unreachable or refuses them. Called at connect."""
 
     @abstractmethod
-    def pause(self) -> None:
-        """Stop serving so that no request reads weights while they change."""
+    def pause(self, version: str, lease: float) -> None:
+        """Stop serving so that no request reads weights while they change, for an update
+        to `version`. Engines that hold leases mark the update abandoned (and stay out of
+        serving) unless it finishes, or is renewed, within `lease` seconds."""
+
+    def renew(self, version: str) -> None:
+        """Extend the lease of the update to `version` (the trainer is making progress)."""
 
     @abstractmethod
     def finish(self, version: str) -> None:

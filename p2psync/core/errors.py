@@ -38,6 +38,24 @@ class ControlError(P2PSyncError):
     """An engine control call (pause, resume, digest, ...) failed."""
 
 
+class UpdateError(P2PSyncError):
+    """`update` failed on the trainer side (a gather, a collective, the caller's own code).
+
+    The engines it paused are not resumed: each marks itself stale once its update
+    lease runs out. The session cannot be used again.
+    """
+
+
+class TrainerLost(UpdateError):
+    """A trainer rank left the world during `update`; the message names it."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (torch's distributed errors append C++
+    frames), or its type's name if it has none."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 def where(engine_id: str, rank: int | None = None, param: str | None = None) -> str:
     """Format the place an error is about, the same way everywhere."""
     text = f"engine {engine_id!r}"

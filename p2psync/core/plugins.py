@@ -16,7 +16,7 @@ from typing import Any
 import pluggy
 
 from . import hookspecs
-from .errors import PluginError
+from .errors import OptionsError, PluginError
 
 AUTOLOAD_ENV = "P2PSYNC_DISABLE_PLUGIN_AUTOLOAD"
 KINDS = ("trainer_sources", "engine_targets", "transports")
@@ -76,6 +76,19 @@ class Registry:
 
     def transport(self, name: str) -> type:
         return self.get("transports", name)
+
+    def make_transport(self, transport: Any, options: Any = None) -> Any:
+        """`transport` itself if it is an instance, else the registered transport of that
+        name built with `options` (parsed into its `Options`: a misspelt one fails here,
+        before anything binds)."""
+        if not isinstance(transport, str):
+            if options:
+                raise OptionsError(
+                    f"transport_options apply to a transport given by name; give "
+                    f"{type(transport).__name__} its options when constructing it"
+                )
+            return transport
+        return self.transport(transport)(options=options)
 
     def all(self) -> list[Registration]:
         return [reg for kind in KINDS for reg in self.entries[kind].values()]

@@ -1,16 +1,27 @@
 """Rendezvous over torch.distributed's TCPStore: engines publish tables, trainers read them.
 
-Keys live under `p2psync/<job_id>/`, so several jobs can share one store.
+Keys live under `p2psync/<job_id>/`, so several jobs can share one store. Every wait
+honours the configured timeout and fails with a RendezvousError naming host, port,
+job and the key awaited: the store is reached only once something listens at its
+address (torch's own client retries for about twice its timeout and logs each
+attempt), and keys are polled rather than waited for inside the store client (whose
+timeouts log C++ warnings).
+
+An engine rank's table is also its claim on the engine id: `publish` succeeds only
+where no table is held (or where it replaces the one the caller names), so two live
+processes never serve one engine id unnoticed (see `EngineEndpoint`).
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
+import socket
+import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from .errors import RendezvousError
+from .errors import RendezvousError, first_line
 from .types import TargetTable
 
 if TYPE_CHECKING:
@@ -18,14 +29,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: Seconds between polls of a key that is not there yet (doubling up to the second figure).
+POLL = (0.02, 0.25)
+
 
 class Rendezvous:
     """A namespaced view of a TCPStore.
 
     `is_server=True` hosts the store in this process (port 0 picks a free port);
-    everyone else connects to `host:port`. The host also creates the job's secret
-    token (or takes `token`); engines check it on every control call, so a trainer
-    of another job, or one given another token, is refused.
+    everyone else connects to `host:port` when first needed, waiting at most `timeout`
+    for it to listen. The host also creates the job's secret token (or takes `token`);
+    engines check it on every control call, so a trainer of another job, or one given
+    another token, is refused.
     """
 
     def __init__(
@@ -45,41 +60,101 @@ class Rendezvous:
             raise ValueError(f"job id must be a non-empty name without '/', got {job_id!r}")
         self.job_id = job_id
         self.timeout = timeout
-        if store is None:
-            store = dist.TCPStore(
-                host, port, is_master=is_server, timeout=timedelta(seconds=timeout), wait_for_workers=False
-            )
-        self._root = store
         self.host = host
+        if store is None and is_server:
+            store = dist.TCPStore(
+                host, port, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False
+            )
+        self._store = store
+        self._prefixed: dist.Store | None = None
         self.port = store.port if hasattr(store, "port") else port
-        self.store = dist.PrefixStore(f"p2psync/{job_id}/", store)
         if is_server:
             self.store.set("token", token or secrets.token_hex(16))
+
+    @property
+    def where(self) -> str:
+        return f"{self.host}:{self.port} (job {self.job_id!r})"
+
+    @property
+    def _root(self) -> dist.Store:
+        """The whole store (not namespaced), connected on first use."""
+        return self._connect(None)
+
+    @property
+    def store(self) -> dist.Store:
+        """The job's namespace of the store, connected on first use."""
+        if self._prefixed is None:
+            import torch.distributed as dist
+
+            self._prefixed = dist.PrefixStore(f"p2psync/{self.job_id}/", self._connect(None))
+        return self._prefixed
+
+    def _connect(self, key: str | None, timeout: float | None = None, deadline: float | None = None) -> dist.Store:
+        """The store client, connecting it first if need be: within `timeout` (default the
+        rendezvous's), or by `deadline` when a caller's wait for `key` shares it."""
+        if self._store is not None:
+            return self._store
+        import torch.distributed as dist
+
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout if deadline is None else deadline
+        awaited = f", waiting for key {key!r}" if key else ""
+        failure = _wait_listening(self.host, self.port, deadline)
+        if failure:
+            raise RendezvousError(f"no rendezvous answers at {self.where} within {timeout:g} s{awaited}: {failure}")
+        try:
+            self._store = dist.TCPStore(
+                self.host, self.port, is_master=False, timeout=timedelta(seconds=self.timeout), wait_for_workers=False
+            )
+        except Exception as exc:  # DistNetworkError: it listened a moment ago
+            raise RendezvousError(
+                f"rendezvous at {self.where} refused this client{awaited}: {first_line(exc)}"
+            ) from exc
+        return self._store
+
+    def clone(self) -> Rendezvous:
+        """Another client of the same store and job, for another thread to use."""
+        root = self._connect(None)
+        store = root.clone() if hasattr(root, "clone") else root
+        return Rendezvous(host=self.host, port=self.port, job_id=self.job_id, timeout=self.timeout, store=store)
 
     def token(self) -> str:
         """The job's secret token, as the rendezvous host set it."""
         return self._get("token", None, self.timeout).decode()
 
-    def publish(self, table: TargetTable) -> None:
-        """Publish one engine rank's table (replacing an older one of the same rank)."""
-        prefix = f"engine/{table.engine_id}"
-        self.store.set(f"{prefix}/world_size", str(table.world_size))
-        self.store.set(f"{prefix}/rank/{table.rank}", table.to_json())
-        log.info("published target table of %s rank %d (%d parameters)", table.engine_id, table.rank, len(table.params))
+    def publish(self, table: TargetTable, *, replacing: TargetTable | None = None) -> TargetTable | None:
+        """Publish one engine rank's table if its place is free (never published, or
+        withdrawn), or holds exactly `replacing`. Returns None when published, else the
+        table that holds the place (nothing is published then)."""
+        key = f"engine/{table.engine_id}/rank/{table.rank}"
+        text = table.to_json()
+        expected = "" if replacing is None else replacing.to_json()
+        self._connect(key)
+        held = self.store.compare_set(key, expected, text)
+        if held != text.encode():
+            return TargetTable.from_json(held)
+        self.store.set(f"engine/{table.engine_id}/world_size", str(table.world_size))
+        log.info(
+            "published target table of %s rank %d (incarnation %d, %d parameters)",
+            table.engine_id, table.rank, table.incarnation, len(table.params),
+        )
+        return None
 
-    def unpublish(self, engine_id: str, rank: int) -> None:
+    def unpublish(self, table: TargetTable) -> None:
         """Withdraw one engine rank's table (on a clean shutdown), so that trainers
-        connecting later wait for its successor instead of reaching a dead rank."""
-        self.store.delete_key(f"engine/{engine_id}/rank/{rank}")
+        connecting later wait for its successor instead of reaching a dead rank. A
+        table that a successor replaced stays."""
+        self.store.compare_set(f"engine/{table.engine_id}/rank/{table.rank}", table.to_json(), "")
 
     def read_engine(self, engine_id: str, timeout: float | None = None) -> list[TargetTable]:
-        """Every rank's table of one engine, waiting up to `timeout` for them to appear."""
+        """Every rank's table of one engine, waiting up to `timeout` for them all to appear."""
         timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         prefix = f"engine/{engine_id}"
-        world_size = int(self._get(f"{prefix}/world_size", engine_id, timeout))
+        world_size = int(self._get(f"{prefix}/world_size", engine_id, timeout, deadline))
         tables = []
         for rank in range(world_size):
-            table = TargetTable.from_json(self._get(f"{prefix}/rank/{rank}", engine_id, timeout))
+            table = TargetTable.from_json(self._get(f"{prefix}/rank/{rank}", engine_id, timeout, deadline))
             if (table.engine_id, table.rank, table.world_size) != (engine_id, rank, world_size):
                 raise RendezvousError(
                     f"rendezvous key of engine {engine_id!r} rank {rank} holds the table of engine "
@@ -89,17 +164,50 @@ class Rendezvous:
         return tables
 
     def set(self, key: str, value: str | bytes) -> None:
+        self._connect(key)
         self.store.set(key, value)
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
         return self._get(key, None, self.timeout if timeout is None else timeout)
 
-    def _get(self, key: str, engine_id: str | None, timeout: float) -> bytes:
+    def _get(self, key: str, engine_id: str | None, timeout: float, deadline: float | None = None) -> bytes:
+        """The value of `key` once it is set (and not withdrawn), polling until `deadline`
+        (default: `timeout` from now; a wait for several keys shares one deadline)."""
+        deadline = time.monotonic() + timeout if deadline is None else deadline
+        self._connect(key, timeout, deadline)
+        who = f" of engine {engine_id!r}" if engine_id else ""
+        pause = POLL[0]
         try:
-            self.store.wait([key], timedelta(seconds=timeout))
-            return self.store.get(key)
-        except Exception as exc:  # TCPStore raises DistStoreError / RuntimeError on timeout
-            who = f" of engine {engine_id!r}" if engine_id else ""
+            while True:
+                if self.store.check([key]):
+                    value = self.store.get(key)
+                    if value:
+                        return value
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, POLL[1])
+        except Exception as exc:  # the store went away
             raise RendezvousError(
-                f"rendezvous key {key!r}{who} (job {self.job_id!r}) not available within {timeout:.0f} s: {exc}"
+                f"rendezvous {self.where} failed while waiting for key {key!r}{who}: {first_line(exc)}"
             ) from exc
+        raise RendezvousError(f"rendezvous {self.where}: key {key!r}{who} not published within {timeout:g} s")
+
+
+def _wait_listening(host: str, port: int, deadline: float) -> str:
+    """Wait until something accepts TCP connections at host:port; "" then, else why not."""
+    pause = POLL[0]
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.05, min(1.0, deadline - time.monotonic()))):
+                return ""
+        except ConnectionRefusedError:
+            failure = "connection refused"
+        except OSError as exc:
+            failure = str(exc) or type(exc).__name__
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return failure
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, POLL[1])

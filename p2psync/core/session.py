@@ -21,8 +21,10 @@ from .buckets import make_buckets
 from .buffers import BufferPool, Lease
 from .digest import byte_view, digest
 from .engine import EngineControl, EngineTarget
-from .errors import ConnectError, ControlError, P2PSyncError, where
+from .errors import ConnectError, ControlError, P2PSyncError, TrainerLost, UpdateError, first_line, where
 from .layout import ALIGN, Layout, ParamGroup, aligned
+from .lease import UpdateLease
+from .liveness import Heartbeat
 from .plan import Plan, PlanTarget, build_plan, unit_of
 from .plugins import Registry, registry as default_registry
 from .rendezvous import Rendezvous
@@ -74,6 +76,41 @@ class _Produced:
     regions: list[Region]
 
 
+@dataclass
+class _Connection:
+    """Everything `connect` sets up for a set of engines. `connect` builds a new one
+    beside the current one (reusing its unchanged peers, writers, controls and
+    buffers) and swaps it in only once every trainer rank succeeded, so that a refused
+    connect leaves the session exactly as it was, on every rank."""
+
+    tables: dict[str, list[TargetTable]]
+    plan: Plan | None = None
+    buckets: list[list[str]] = field(default_factory=list)
+    work: list[list[tuple[_Unit, list[ParamGroup]]]] = field(default_factory=list)
+    gather_dtypes: dict[str, str] = field(default_factory=dict)
+    pool: BufferPool | None = None
+    peers: dict[TargetId, tuple[str, Peer]] = field(default_factory=dict)  # target -> (table json, peer)
+    writers: dict[str, EngineWriter] = field(default_factory=dict)
+    controls: dict[str, EngineControl] = field(default_factory=dict)
+
+    def close_unless_in(self, kept: _Connection | None) -> None:
+        """Close what this connection holds and `kept` does not share."""
+        kept_peers = {id(p) for _, p in kept.peers.values()} if kept else set()
+        kept_writers = {id(w) for w in kept.writers.values()} if kept else set()
+        kept_controls = {id(c) for c in kept.controls.values()} if kept else set()
+        for writer in self.writers.values():
+            if id(writer) not in kept_writers:
+                writer.close()
+        for _, peer in self.peers.values():
+            if id(peer) not in kept_peers:
+                peer.close()
+        for control in self.controls.values():
+            if id(control) not in kept_controls:
+                control.close()
+        if self.pool is not None and (kept is None or kept.pool is not self.pool):
+            self.pool.close()
+
+
 class Session:
     """Moves a trainer's weights into running engines.
 
@@ -83,7 +120,10 @@ class Session:
     compares a digest of every parameter each engine holds with what was sent;
     `token` is the job's secret that engines check (default: the rendezvous's);
     `engine_options` are keyword options per engine kind, e.g.
-    `{"vllm": {"layout": "replica"}}`.
+    `{"vllm": {"layout": "replica"}}`. `update_lease` (default four times
+    `transfer_timeout`) is how long an engine paused for an update waits for the
+    trainer to make progress before it abandons the update and marks itself stale;
+    world rank 0 renews it as buckets go by.
     """
 
     def __init__(
@@ -101,18 +141,21 @@ class Session:
         buffer_device: str = "cpu",
         pin_memory: bool = False,
         engine_options: Mapping[str, Mapping[str, Any]] | None = None,
+        update_lease: float | None = None,
     ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        if update_lease is not None and update_lease <= 0:
+            raise ValueError(f"update_lease must be positive, got {update_lease}")
         self.registry = registry or default_registry()
-        if isinstance(transport, str):
-            transport = self.registry.transport(transport)(options=transport_options)
+        transport = self.registry.make_transport(transport, transport_options)
         transport.bind(rendezvous)
         self.source = source
         self.transport = transport
         self.rendezvous = rendezvous
         self.bucket_bytes = bucket_bytes
         self.transfer_timeout = transfer_timeout
+        self.update_lease = 4 * transfer_timeout if update_lease is None else update_lease
         self.check = check
         self.token = rendezvous.token() if token is None else token
         self.buffer_device = buffer_device
@@ -120,27 +163,33 @@ class Session:
         self.engine_options = {kind: dict(opts) for kind, opts in (engine_options or {}).items()}
         self.rank = collectives.world_rank()
         self.group = source.sender_group()
-        self.plan: Plan | None = None
-        self.tables: dict[str, list[TargetTable]] = {}
+        # Caches that a refused connect may fill but never spoils:
         self._targets: dict[str, EngineTarget] = {}
         self._layouts: dict[str, tuple[str, Layout]] = {}  # unit -> (parameter fingerprint, layout)
-        self._controls: dict[str, EngineControl] = {}
-        self._peers: dict[TargetId, tuple[str, Peer]] = {}  # target -> (table json, peer)
-        self._writers: dict[str, EngineWriter] = {}
-        self._pool: BufferPool | None = None
-        self._buckets: list[list[str]] = []
-        self._work: list[list[tuple[_Unit, list[ParamGroup]]]] = []
-        self._gather_dtypes: dict[str, str] = {}
+        self._conn: _Connection | None = None
+        self._heartbeat = Heartbeat(rendezvous, self.rank, collectives.world_size())
+        self._broken: str | None = None  # why update cannot run again
+
+    @property
+    def plan(self) -> Plan | None:
+        return self._conn.plan if self._conn else None
+
+    @property
+    def tables(self) -> dict[str, list[TargetTable]]:
+        """The target tables of the connected engines."""
+        return self._conn.tables if self._conn else {}
 
     @property
     def buffer_bytes(self) -> int:
         """Bytes of the registered transfer buffers (both of them)."""
-        return self._pool.nbytes * len(self._pool.tensors) if self._pool else 0
+        pool = self._conn.pool if self._conn else None
+        return pool.nbytes * len(pool.tensors) if pool else 0
 
     @property
     def largest_group_bytes(self) -> int:
         """Bytes of the largest parameter group this rank produces."""
-        return max((g.nbytes for work in self._work for _, groups in work for g in groups), default=0)
+        work = self._conn.work if self._conn else []
+        return max((g.nbytes for units in work for _, groups in units for g in groups), default=0)
 
     @property
     def sent_bytes(self) -> int:
@@ -155,7 +204,11 @@ class Session:
     @property
     def bucket_count(self) -> int:
         """How many buckets one update gathers (known after `connect`)."""
-        return len(self._buckets)
+        return len(self._conn.buckets) if self._conn else 0
+
+    @property
+    def _writers(self) -> dict[str, EngineWriter]:
+        return self._conn.writers if self._conn else {}
 
     # -- connect ---------------------------------------------------------------------------
 
@@ -164,20 +217,37 @@ class Session:
 
         Collective over the trainer world. Raises ConnectError on every rank, naming
         engine, rank and parameter, for anything that cannot be served; nothing is
-        written then. Layouts and peers of engines that did not change are reused.
+        written then, and the session stays as it was (still connected as before, or
+        not at all). Layouts and peers of engines that did not change are reused.
         """
+        named_twice = sorted({e for e in engines if list(engines).count(e) > 1})
+        if named_twice:
+            raise ConnectError(f"engine {named_twice[0]!r} is named twice in connect({list(engines)!r})")
         tables = collectives.broadcast(self._read_tables(engines) if self.rank == 0 else None)
         if isinstance(tables, str):
             raise ConnectError(tables)
         error: str | None = None
+        candidate = _Connection(tables)
         try:
             specs, mine = self._all_specs()
-            self._prepare(tables, specs, mine)
-        except P2PSyncError as exc:
-            error = f"rank {self.rank}: {exc}"
+            self._prepare(candidate, specs, mine)
+        except Exception as exc:  # every rank must reach the all_gather below, whatever failed
+            if not isinstance(exc, P2PSyncError):
+                log.exception("connect failed on this rank")
+            what = str(exc) if isinstance(exc, P2PSyncError) else f"{type(exc).__name__}: {exc}"
+            error = f"rank {self.rank}: {what}"
         errors = [e for e in collectives.all_gather(error) if e]
         if errors:
+            candidate.close_unless_in(self._conn)
             raise ConnectError("; ".join(errors))
+        if self._conn is not None:
+            self._conn.close_unless_in(candidate)
+        self._conn = candidate
+        log.info(
+            "connected to %d engines (%d targets); serving %d of them from %d buckets",
+            len(tables), sum(len(t) for t in tables.values()),
+            len(candidate.plan.targets_of(self.rank)) if candidate.plan else 0, len(candidate.buckets),
+        )
 
     def _read_tables(self, engines: Sequence[str]) -> dict[str, list[TargetTable]] | str:
         try:
@@ -197,9 +267,9 @@ class Session:
                     )
         return union, mine
 
-    def _prepare(
-        self, tables: dict[str, list[TargetTable]], specs: dict[str, ParamSpec], mine: dict[str, ParamSpec]
-    ) -> None:
+    def _prepare(self, conn: _Connection, specs: dict[str, ParamSpec], mine: dict[str, ParamSpec]) -> None:
+        """Fill `conn` for its tables, reusing what the current connection has."""
+        tables = conn.tables
         units: dict[str, _Unit] = {}
         groups_of: dict[str, list[ParamGroup]] = {}
         for engine_tables in tables.values():
@@ -217,8 +287,8 @@ class Session:
             )
             if groups_of[unit]
         ]
-        self.plan = build_plan(self.group.ranks, plan_targets)
-        mine_targets = set(self.plan.targets_of(self.rank))
+        conn.plan = build_plan(self.group.ranks, plan_targets)
+        mine_targets = set(conn.plan.targets_of(self.rank))
         served: dict[str, _Unit] = {}
         for engine_tables in tables.values():
             for table in engine_tables:
@@ -227,33 +297,25 @@ class Session:
                     served.setdefault(unit, _Unit(unit, units[unit].layout)).tables.append(table)
 
         all_groups = [g for groups in groups_of.values() for g in groups]
-        self._gather_dtypes = _narrower_dtypes(mine, [(units[u].layout, g) for u, gs in groups_of.items() for g in gs])
-        self._buckets = make_buckets(list(mine.values()), all_groups, self.bucket_bytes, self.source.bucket_kind)
-        bucket_of = {name: i for i, names in enumerate(self._buckets) for name in names}
-        self._work = [[] for _ in self._buckets]
+        conn.gather_dtypes = _narrower_dtypes(mine, [(units[u].layout, g) for u, gs in groups_of.items() for g in gs])
+        conn.buckets = make_buckets(list(mine.values()), all_groups, self.bucket_bytes, self.source.bucket_kind)
+        bucket_of = {name: i for i, names in enumerate(conn.buckets) for name in names}
+        conn.work = [[] for _ in conn.buckets]
         for unit in served.values():
             per_bucket: dict[int, list[ParamGroup]] = defaultdict(list)
             for group in groups_of[unit.unit]:
                 per_bucket[bucket_of[group.inputs[0]]].append(group)
             for i, groups in sorted(per_bucket.items()):
-                self._work[i].append((unit, groups))
+                conn.work[i].append((unit, groups))
 
-        self._ensure_pool()
-        self._open(tables, mine_targets)
+        conn.pool = self._pool_for(conn.work)
+        self._open(conn, mine_targets)
         if self.rank == 0:
-            for engine, control in self._controls.items():
+            for control in conn.controls.values():
                 try:
                     control.check_access()
                 except ControlError as exc:
                     raise ConnectError(str(exc)) from exc
-        self.tables = tables
-        log.info(
-            "connected to %d engines (%d targets); serving %d of them from %d buckets",
-            len(tables),
-            sum(len(t) for t in tables.values()),
-            len(mine_targets),
-            len(self._buckets),
-        )
 
     def _check_table(self, table: TargetTable) -> None:
         if table.transport != self.transport.name:
@@ -305,42 +367,39 @@ class Session:
                 )
         return own
 
-    def _ensure_pool(self) -> None:
+    def _pool_for(self, work: list[list[tuple[_Unit, list[ParamGroup]]]]) -> BufferPool:
+        """The current transfer buffers if they are large enough for `work`, else new ones."""
         need = ALIGN
-        for work in self._work:
-            for _, groups in work:
+        for units in work:
+            for _, groups in units:
                 largest = max(aligned(g.nbytes) for g in groups)
                 need = max(need, min(sum(aligned(g.nbytes) for g in groups), max(self.bucket_bytes, largest)))
-        if self._pool is not None and self._pool.nbytes >= need:
-            return
-        if self._pool is not None:
-            self._pool.close()
-        self._pool = BufferPool(need, self.transport, device=self.buffer_device, pin_memory=self.pin_memory)
+        current = self._conn.pool if self._conn else None
+        if current is not None and current.nbytes >= need:
+            return current
+        return BufferPool(need, self.transport, device=self.buffer_device, pin_memory=self.pin_memory)
 
-    def _open(self, tables: dict[str, list[TargetTable]], mine: set[TargetId]) -> None:
-        for target in [t for t in self._peers if t not in mine]:
-            self._peers.pop(target)[1].close()
-        for engine in [e for e in self._writers if e not in tables]:
-            self._writers.pop(engine).close()
-        for engine in [e for e in self._controls if e not in tables]:
-            self._controls.pop(engine).close()
-        for engine, engine_tables in tables.items():
-            if self.tables.get(engine) != engine_tables or engine not in self._controls:
-                if engine in self._controls:
-                    self._controls.pop(engine).close()
-                self._controls[engine] = self._targets[engine_tables[0].engine].control(
+    def _open(self, conn: _Connection, mine: set[TargetId]) -> None:
+        """Controls, peers and writers of `conn`: the current connection's where its engine's
+        tables did not change, new ones otherwise."""
+        old = self._conn or _Connection({})
+        for engine, engine_tables in conn.tables.items():
+            if old.tables.get(engine) == engine_tables and engine in old.controls:
+                conn.controls[engine] = old.controls[engine]
+            else:
+                conn.controls[engine] = self._targets[engine_tables[0].engine].control(
                     engine_tables, timeout=self.transfer_timeout, token=self.token
                 )
             for table in engine_tables:
                 if table.target not in mine:
                     continue
                 text = table.to_json()
-                if self._peers.get(table.target, ("", None))[0] != text:
-                    if table.target in self._peers:
-                        self._peers.pop(table.target)[1].close()
-                    self._peers[table.target] = (text, self.transport.open(table))
-                if engine not in self._writers:
-                    self._writers[engine] = EngineWriter(engine, self.transfer_timeout)
+                reused = old.peers.get(table.target)
+                if reused is None or reused[0] != text:
+                    reused = (text, self.transport.open(table))
+                conn.peers[table.target] = reused
+                if engine not in conn.writers:
+                    conn.writers[engine] = old.writers.get(engine) or EngineWriter(engine, self.transfer_timeout)
 
     # -- update ----------------------------------------------------------------------------
 
@@ -349,63 +408,100 @@ class Session:
 
         Collective over the trainer world. Returns the same report on every rank;
         engines whose writes or checks failed are left paused and listed as stale.
-        `progress(done, total)` is called after each bucket.
+        `progress(done, total)` is called after each bucket. A failure on the trainer
+        side (a lost trainer rank, a failed gather, an exception from `progress`)
+        raises UpdateError (TrainerLost naming the lost ranks); the engines paused for
+        this update are not resumed, and the session cannot update again.
         """
-        if self.plan is None:
+        if self._broken is not None:
+            raise UpdateError(self._broken)
+        conn = self._conn
+        if conn is None:
             raise P2PSyncError("update before connect")
+        with self._heartbeat:
+            try:
+                return self._update(conn, version, progress)
+            except Exception as exc:
+                error = self._failure(version, exc)
+        for writer in conn.writers.values():
+            writer.abandon(str(error))
+        self._broken = f"this session is unusable after update {version!r} failed; close it and connect a new one"
+        raise error
+
+    def _failure(self, version: str, exc: Exception) -> UpdateError:
+        """The error that `update` raises for `exc`, naming the trainer ranks that were lost."""
+        if isinstance(exc, UpdateError):
+            return exc
+        lost = self._heartbeat.lost()
+        cause = f"{type(exc).__name__}: {first_line(exc)}"
+        if lost:
+            ranks = ", ".join(map(str, lost))
+            error: UpdateError = TrainerLost(
+                f"update {version!r} failed: trainer rank{'s' if len(lost) > 1 else ''} {ranks} "
+                f"{'were' if len(lost) > 1 else 'was'} lost (heartbeat stopped); this rank saw {cause}"
+            )
+        else:
+            error = UpdateError(f"update {version!r} failed on trainer rank {self.rank}: {cause}")
+        log.error("%s", error)
+        error.__cause__ = exc
+        return error
+
+    def _update(self, conn: _Connection, version: str, progress: Callable[[int, int], None] | None) -> UpdateReport:
         start = time.monotonic()
-        paused = self._pause_all() if self.rank == 0 else None
+        lease = UpdateLease(conn.controls, version, self.update_lease) if self.rank == 0 else None
+        paused = lease.pause_all() if lease else None
         failed: dict[str, str] = collectives.broadcast(paused)
-        for engine, writer in self._writers.items():
+        for engine, writer in conn.writers.items():
             writer.start_update()
             if engine in failed:
                 writer.fail(failed[engine])
 
         produced: dict[str, dict[str, _Produced]] = defaultdict(dict)
-        for i, names in enumerate(self._buckets):
-            casts = {n: self._gather_dtypes[n] for n in names if n in self._gather_dtypes}
+        for i, names in enumerate(conn.buckets):
+            casts = {n: conn.gather_dtypes[n] for n in names if n in conn.gather_dtypes}
             tensors = self.source.gather_cast(names, casts)
-            for unit, groups in self._work[i]:
-                self._send(unit, groups, tensors, produced[unit.unit])
+            for unit, groups in conn.work[i]:
+                self._send(conn, unit, groups, tensors, produced[unit.unit])
             del tensors
+            if lease:
+                lease.progressed(failed)
             if progress is not None:
-                progress(i + 1, len(self._buckets))
-        for writer in self._writers.values():
+                progress(i + 1, len(conn.buckets))
+        for writer in conn.writers.values():
             writer.wait()
         if self.check:
-            self._verify(produced)
+            if lease:
+                lease.progressed(failed)
+            self._verify(conn, produced)
 
         mine = {
             engine: (w.progress.rank_bytes, (w.progress.last_done or start) - start, w.progress.error)
-            for engine, w in self._writers.items()
+            for engine, w in conn.writers.items()
         }
-        report = self._report(version, start, collectives.all_gather(mine), failed)
+        report = self._report(conn, version, start, collectives.all_gather(mine), failed)
         return collectives.broadcast(report)
 
-    def _pause_all(self) -> dict[str, str]:
-        failed = {}
-        for engine, control in self._controls.items():
-            try:
-                control.pause()
-            except ControlError as exc:
-                failed[engine] = f"pause failed: {exc}"
-        return failed
-
     def _send(
-        self, unit: _Unit, groups: list[ParamGroup], tensors: Mapping[str, Any], produced: dict[str, _Produced]
+        self,
+        conn: _Connection,
+        unit: _Unit,
+        groups: list[ParamGroup],
+        tensors: Mapping[str, Any],
+        produced: dict[str, _Produced],
     ) -> None:
         """Fill transfer buffers with this bucket's groups of one unit and hand them to the writers."""
-        assert self._pool is not None
+        pool = conn.pool
+        assert pool is not None
         lease: Lease | None = None
         regions: list[Region] = []
         offset = 0
         try:
             for group in groups:
-                if lease is None or offset + group.nbytes > self._pool.nbytes:
+                if lease is None or offset + group.nbytes > pool.nbytes:
                     if lease is not None:
-                        self._submit(unit, lease, regions)
+                        self._submit(conn, unit, lease, regions)
                         lease = None  # _submit released the filler's reference
-                    lease, regions, offset = self._pool.acquire(self.transfer_timeout, self._abandon_laggards), [], 0
+                    lease, regions, offset = pool.acquire(self.transfer_timeout, self._abandon_laggards), [], 0
                 out = lease.tensor[offset : offset + group.nbytes]
                 written = [
                     Region(r.param, r.param_offset, r.buffer_offset + offset, r.nbytes)
@@ -416,12 +512,12 @@ class Session:
                     self._record(lease, written, produced)
                 offset += aligned(group.nbytes)
             if lease is not None:
-                self._submit(unit, lease, regions)
+                self._submit(conn, unit, lease, regions)
                 lease = None
         except Exception as exc:  # a layout or buffer failure fails this unit's engines only
             log.exception("producing bytes for %s failed", unit.unit)
             for table in unit.tables:
-                self._writers[table.engine_id].fail(f"{where(table.engine_id, table.rank)}: {type(exc).__name__}: {exc}")
+                conn.writers[table.engine_id].fail(f"{where(table.engine_id, table.rank)}: {type(exc).__name__}: {exc}")
             if lease is not None:
                 lease.release()
 
@@ -436,16 +532,16 @@ class Session:
                     "and held back the other engines"
                 )
 
-    def _submit(self, unit: _Unit, lease: Lease, regions: list[Region]) -> None:
+    def _submit(self, conn: _Connection, unit: _Unit, lease: Lease, regions: list[Region]) -> None:
         for table in unit.tables:
-            writer = self._writers[table.engine_id]
+            writer = conn.writers[table.engine_id]
             if writer.progress.error is not None:
                 continue
             addrs = {p.name: p.addr for p in table.params}
             batch = WriteBatch()
             for r in regions:
                 batch.add(lease.addr + r.buffer_offset, addrs[r.param] + r.param_offset, r.nbytes)
-            writer.submit(WriteJob(table.target, self._peers[table.target][1], batch, lease))
+            writer.submit(WriteJob(table.target, conn.peers[table.target][1], batch, lease))
         lease.release()
 
     @staticmethod
@@ -457,17 +553,17 @@ class Session:
         for param, rs in by_param.items():
             produced[param] = _Produced(digest(data, [(r.buffer_offset, r.nbytes) for r in rs]), rs)
 
-    def _verify(self, produced: dict[str, dict[str, _Produced]]) -> None:
+    def _verify(self, conn: _Connection, produced: dict[str, dict[str, _Produced]]) -> None:
         """Ask every target this rank served for digests of what it holds and compare."""
-        for work in self._work:
+        for work in conn.work:
             for unit, _ in work:
                 for table in unit.tables:
-                    writer = self._writers[table.engine_id]
+                    writer = conn.writers[table.engine_id]
                     if writer.progress.error is not None:
                         continue
                     sent = produced[unit.unit]
                     try:
-                        held = self._controls[table.engine_id].digests(
+                        held = conn.controls[table.engine_id].digests(
                             table.rank, {name: p.regions for name, p in sent.items()}
                         )
                     except ControlError as exc:
@@ -483,6 +579,7 @@ class Session:
 
     def _report(
         self,
+        conn: _Connection,
         version: str,
         start: float,
         per_rank: list[dict[str, tuple[dict[int, int], float, str | None]]],
@@ -490,7 +587,7 @@ class Session:
     ) -> UpdateReport | None:
         if self.rank != 0:
             return None
-        engines = {e: EngineReport(e, ok=e not in failed, error=failed.get(e)) for e in self.tables}
+        engines = {e: EngineReport(e, ok=e not in failed, error=failed.get(e)) for e in conn.tables}
         for statuses in per_rank:
             for engine, (rank_bytes, seconds, error) in statuses.items():
                 report = engines[engine]
@@ -505,7 +602,7 @@ class Session:
                 log.warning("engine %s is stale: %s", engine, report.error)
                 continue
             try:
-                self._controls[engine].finish(version)
+                conn.controls[engine].finish(version)
                 report.checked = self.check
             except ControlError as exc:
                 report.ok, report.error = False, f"finish failed: {exc}"
@@ -515,16 +612,10 @@ class Session:
 
     def close(self) -> None:
         """Stop write threads, close peers and control clients, unregister buffers."""
-        for writer in self._writers.values():
-            writer.close()
-        for _, peer in self._peers.values():
-            peer.close()
-        for control in self._controls.values():
-            control.close()
-        if self._pool is not None:
-            self._pool.close()
+        if self._conn is not None:
+            self._conn.close_unless_in(None)
+            self._conn = None
         self.transport.close()
-        self._writers, self._peers, self._controls, self._pool = {}, {}, {}, None
 
     def __enter__(self) -> Session:
         return self

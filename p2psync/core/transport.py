@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from .options import NoOptions, parse
 from .types import TargetTable
 
 if TYPE_CHECKING:
@@ -71,6 +72,10 @@ class Transport(ABC):
     rank it serves. Memory is passed as tensors so that a transport can tell host
     from device memory and, where it must receive (two-sided transports), write
     into them.
+
+    Constructed with `options`: a mapping (or an instance) of the `Options` dataclass
+    the class declares, parsed before anything binds, so that a misspelt option fails
+    at once with the valid ones named.
     """
 
     name: ClassVar[str]
@@ -78,9 +83,11 @@ class Transport(ABC):
     requires: ClassVar[tuple[str, ...]] = ()
     #: Kinds of memory it writes into ("cpu", "cuda"); the conformance suite tests each.
     devices: ClassVar[tuple[str, ...]] = ("cpu",)
+    #: The options this transport takes (a frozen dataclass).
+    Options: ClassVar[type] = NoOptions
 
-    def __init__(self, *, options: Mapping[str, Any] | None = None) -> None:
-        self.options: dict[str, Any] = dict(options or {})
+    def __init__(self, *, options: Mapping[str, Any] | object | None = None) -> None:
+        self.options: Any = parse(self.Options, options, what=f"transport {self.name!r}")
         self.rendezvous: Rendezvous | None = None
 
     def bind(self, rendezvous: Rendezvous) -> None:

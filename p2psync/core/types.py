@@ -54,7 +54,9 @@ class TargetTable:
 
     `layout_key` holds everything that decides the bytes of this rank besides the
     rank index itself; equal key and rank mean equal bytes, so one layout and one
-    filled buffer can serve several engines.
+    filled buffer can serve several engines. `instance` names the process that
+    published it (host, pid, a random part); `incarnation` counts the processes that
+    have served this engine rank, so that a restart replaces its predecessor openly.
     """
 
     engine_id: str
@@ -68,6 +70,8 @@ class TargetTable:
     params: tuple[TargetParam, ...]
     job_id: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    incarnation: int = 0
+    instance: str = ""
 
     @property
     def target(self) -> TargetId:

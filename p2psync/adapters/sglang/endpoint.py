@@ -29,6 +29,8 @@ def serve(
     host: str = "127.0.0.1",
     token: str | None = None,
     transport_options: Mapping[str, Any] | None = None,
+    version: str | None = None,
+    incarnation: int | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> EngineEndpoint:
     """Register the rank's parameters (sglang names, live memory), publish its table, serve control calls.
@@ -37,7 +39,8 @@ def serve(
     engine; they make the layout key, from which a trainer rebuilds this rank.
     Control calls must carry `token` (default: the job's token from the rendezvous).
     `extra` goes into the published table (the server's URL, when serving inside one).
-    By default `finish` runs sglang's post-load step (see `shim.post_load`).
+    By default `finish` runs sglang's post-load step (see `shim.post_load`). `version` and
+    `incarnation`: see `EngineEndpoint`.
     """
     import sglang
 
@@ -54,5 +57,7 @@ def serve(
         hooks=hooks or EngineHooks(post_process=lambda: post_load(model)),
         host=host,
         token=token,
+        version=version,
+        incarnation=incarnation,
         extra=extra,
     )

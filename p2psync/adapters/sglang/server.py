@@ -12,7 +12,9 @@ through `/pause_generation`, `/begin_weight_update`, `/end_weight_update`,
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...core.endpoint import EndpointControl
 from ...core.engine import EngineControl
-from ...core.errors import ConnectError, ControlError, where
+from ...core.errors import ConnectError, ControlError, RendezvousError, where
 from ...core.types import Region, TargetParam, TargetTable
 from .key import layout_key, rank_spec
 
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
 
 #: `TargetTable.extra["control"]` of tables made by `publish_server`.
 SERVER_CONTROL = "sglang-server"
+
+log = logging.getLogger(__name__)
 
 
 def http(url: str, path: str, body: dict[str, Any] | None = None, *, timeout: float) -> Any:
@@ -48,13 +52,22 @@ def http(url: str, path: str, body: dict[str, Any] | None = None, *, timeout: fl
 
 
 def publish_server(
-    url: str, *, engine_id: str, rendezvous: Rendezvous, hf_config: dict[str, Any], timeout: float = 30.0
+    url: str,
+    *,
+    engine_id: str,
+    rendezvous: Rendezvous,
+    hf_config: dict[str, Any],
+    timeout: float = 30.0,
+    version: str | None = None,
 ) -> list[TargetTable]:
     """Publish the target table of every rank of the sglang server at `url`.
 
     `hf_config` is the model's HF config (the trainer's own; the server's files
     need not be readable here). Shapes and dtypes come from sglang's rank model
     rebuilt on meta and must agree with the element counts the server reports.
+    The server serves only weights of a known version: unless `version` declares the
+    one it loaded, it is paused here until its first update. Another live server
+    already published under `engine_id` is refused; a dead one is replaced.
     """
     from .shim import build_rank_model, require_sglang
 
@@ -77,11 +90,35 @@ def publish_server(
             engine_id=engine_id, rank=rank, world_size=int(info["tp_size"]), engine="sglang", layout_key=key,
             transport="mooncake", transport_info={"session": session}, control_url=url,
             params=tuple(_param(engine_id, rank, name, p, weights) for name, p in model.named_parameters()),
-            job_id=rendezvous.job_id, extra={"control": SERVER_CONTROL},
+            job_id=rendezvous.job_id, extra={"control": SERVER_CONTROL}, instance=f"sglang server {url}",
         )
-        rendezvous.publish(table)
-        tables.append(table)
+        tables.append(_claim(rendezvous, table, timeout))
+    if version is None:
+        http(url, "/pause_generation", {"mode": "abort"}, timeout=timeout)
     return tables
+
+
+def _claim(rendezvous: Rendezvous, table: TargetTable, timeout: float) -> TargetTable:
+    """Publish `table`, replacing an earlier table of this server, or of a server that is gone."""
+    held = rendezvous.publish(table)
+    if held is None:
+        return table
+    if held.instance != table.instance:
+        try:
+            http(held.control_url, "/health", timeout=min(timeout, 5.0))
+            alive = True
+        except ControlError:
+            alive = False
+        if alive:
+            raise RendezvousError(
+                f"{where(table.engine_id, table.rank)} is already served by {held.instance} (incarnation "
+                f"{held.incarnation}), which still answers: stop it or publish this server under another engine id"
+            )
+        log.warning("%s: replacing %s, which no longer answers", where(table.engine_id, table.rank), held.instance)
+    table = dataclasses.replace(table, incarnation=held.incarnation + 1)
+    if rendezvous.publish(table, replacing=held) is not None:
+        raise RendezvousError(f"{where(table.engine_id, table.rank)}: another publisher claimed it meanwhile")
+    return table
 
 
 def _param(engine_id: str, rank: int, name: str, param: Any, weights: Mapping[str, Sequence[int]]) -> TargetParam:
@@ -118,9 +155,19 @@ class ServerControl(EngineControl):
         except ControlError as exc:
             raise ControlError(f"{where(self.engine_id)}: {exc}") from exc
 
-    def pause(self) -> None:
+    def pause(self, version: str, lease: float) -> None:
+        """Pause generation and open sglang's weight-update session. A session still open
+        is one a trainer abandoned mid-update (the server stayed paused): this update
+        takes it over. The server itself holds no lease."""
         self._post("/pause_generation", {"mode": self.pause_mode})
-        self._post("/begin_weight_update", {})
+        try:
+            self._post("/begin_weight_update", {})
+        except ControlError as exc:
+            if "already open" not in str(exc):
+                raise
+            log.warning(
+                "%s: taking over the weight-update session an abandoned update left open", where(self.engine_id)
+            )
 
     def finish(self, version: str) -> None:
         self._post("/end_weight_update", {})
@@ -145,8 +192,9 @@ class ServedControl(EndpointControl):
         super().check_access()
         self.server.check_access()
 
-    def pause(self) -> None:
-        self.server.pause()
+    def pause(self, version: str, lease: float) -> None:
+        super().pause(version, lease)  # each rank's endpoint holds the update's lease
+        self.server.pause(version, lease)
 
     def finish(self, version: str) -> None:
         super().finish(version)  # each rank's endpoint runs sglang's post-load step

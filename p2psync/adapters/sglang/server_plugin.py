@@ -3,18 +3,24 @@
 - On CPU it lets a real server publish weight memory that Mooncake accepts writes
   into (see `shim.patch_server_for_cpu`).
 - With `P2PSYNC_SGLANG_ENDPOINT` set (JSON: `rendezvous` "host:port", `job_id`,
-  `engine_id`, optional `transport`, default "mooncake"), each scheduler, once
-  its model is loaded, serves p2psync's endpoint over the rank's parameters and
-  publishes its table in the rendezvous: for transports sglang does not publish
-  for itself (NIXL) and for servers started without sglang's transfer-engine flag.
-  Pausing, cache flushing and the weight version then go through the server's
-  own HTTP API (see `target.SglangEngineTarget.control`).
+  `engine_id`, optional `transport`, default "mooncake", optional `version` of the
+  weights the server loads, optional `incarnation`), each scheduler, once its model is
+  loaded, serves p2psync's endpoint over the rank's parameters and publishes its table
+  in the rendezvous: for transports sglang does not publish for itself (NIXL) and for
+  servers started without sglang's transfer-engine flag. Pausing, cache flushing and
+  the weight version then go through the server's own HTTP API (see
+  `target.SglangEngineTarget.control`); the endpoints hold each update's lease and
+  report an abandoned update (their status call).
+- Unless `version` is declared, the server holds weights of no known version: it pauses
+  generation as soon as it is up (after sglang's own warm-up request), and the first
+  update resumes it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 from typing import Any
 
@@ -37,13 +43,19 @@ def load() -> None:
     patch_server_for_cpu()
     if os.environ.get(ENDPOINT_ENV):
         on_model_loaded(_serve_rank)
+        if _settings().get("version") is None and multiprocessing.parent_process() is None:
+            _pause_once_up()  # the server's main process (HTTP server and tokenizer manager)
+
+
+def _settings() -> dict[str, Any]:
+    return json.loads(os.environ[ENDPOINT_ENV])
 
 
 def _serve_rank(model: Any, server_args: Any, model_config: Any, tp_rank: int) -> None:
     from ...core.rendezvous import Rendezvous
     from .endpoint import serve
 
-    settings = json.loads(os.environ[ENDPOINT_ENV])
+    settings = _settings()
     host, port = settings["rendezvous"].rsplit(":", 1)
     rendezvous = Rendezvous(host=host, port=int(port), job_id=settings["job_id"])
     server_url = f"http://{server_args.host}:{server_args.port}"
@@ -51,5 +63,29 @@ def _serve_rank(model: Any, server_args: Any, model_config: Any, tp_rank: int) -
         serve(
             model, server_args, model_config, engine_id=settings["engine_id"], rank=tp_rank,
             rendezvous=rendezvous, transport=settings.get("transport", "mooncake"), extra={"server_url": server_url},
+            version=settings.get("version"), incarnation=settings.get("incarnation"),
         )
     )
+
+
+def _pause_once_up() -> None:
+    """Pause generation right after sglang's warm-up, before the server says it is ready
+    to roll: its weights are of no known version until p2psync's first update, whose
+    finish calls /continue_generation."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    def around(original: Any, *args: Any, **kwargs: Any) -> Any:
+        after_warmup = kwargs.get("post_warmup_callback")
+
+        def pause_then_continue() -> None:
+            from sglang.srt.entrypoints import http_server
+
+            http_server._global_state.tokenizer_manager.is_pause = True
+            log.warning("p2psync: weights of no known version; generation paused until the first update")
+            if after_warmup is not None:
+                after_warmup()
+
+        kwargs["post_warmup_callback"] = pause_then_continue
+        return original(*args, **kwargs)
+
+    HookRegistry.register("sglang.srt.entrypoints.http_server._wait_and_warmup", around, HookType.AROUND)

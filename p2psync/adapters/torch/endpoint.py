@@ -28,10 +28,15 @@ def serve(
     host: str = "127.0.0.1",
     token: str | None = None,
     transport_options: Mapping[str, Any] | None = None,
+    version: str | None = None,
+    incarnation: int | None = None,
 ) -> EngineEndpoint:
     """Register `module`'s parameters, publish its table and serve control calls.
 
     Control calls must carry `token` (default: the job's token from the rendezvous).
+    The module serves (its `hooks.routes`) only weights of a known version: `version`
+    declares the one it holds now, else it waits for its first update. `incarnation`
+    replaces a live engine of the same id (see `EngineEndpoint`).
 
     Parameters are published under their HF names: `name_map` turns a module
     parameter name into one (a mapping or a function; identity by default). The
@@ -56,4 +61,6 @@ def serve(
         hooks=hooks,
         host=host,
         token=token,
+        version=version,
+        incarnation=incarnation,
     )

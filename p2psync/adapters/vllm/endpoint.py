@@ -31,10 +31,13 @@ def serve(
     host: str = "127.0.0.1",
     token: str | None = None,
     transport_options: Mapping[str, Any] | None = None,
+    version: str | None = None,
+    incarnation: int | None = None,
 ) -> EngineEndpoint:
     """Register the rank's parameters, publish its table (vLLM names, vLLM layout key) and
     serve control calls. The parameters must be those vLLM loads into, before any
-    post-processing that changes their bytes or storage."""
+    post-processing that changes their bytes or storage. `version` and `incarnation`: see
+    `EngineEndpoint`."""
     return EngineEndpoint.serve(
         engine="vllm",
         engine_id=engine_id,
@@ -48,4 +51,6 @@ def serve(
         hooks=hooks,
         host=host,
         token=token,
+        version=version,
+        incarnation=incarnation,
     )

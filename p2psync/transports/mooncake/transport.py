@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PENDING = 1
+#: How often to start a Transfer Engine that lost a port race (see `MooncakeTransport.engine`).
+BIND_ATTEMPTS = 8
 
 
 def rdma_devices() -> list[str]:
@@ -34,21 +37,32 @@ def rdma_devices() -> list[str]:
     return sorted(p.name for p in path.iterdir()) if path.is_dir() else []
 
 
+@dataclass(frozen=True)
+class MooncakeOptions:
+    """`host`: the address peers reach this process at (default $P2PSYNC_HOST or 127.0.0.1);
+    `protocol`: Mooncake's ("auto": rdma when an RDMA device exists, else tcp);
+    `device_name`: RDMA devices ("" = all); `log_level`: Mooncake's own (default WARNING:
+    its INFO level logs every batch; $MC_LOG_LEVEL wins when set)."""
+
+    host: str | None = None
+    protocol: str = "auto"
+    device_name: str = ""
+    log_level: str = "WARNING"
+
+
 class MooncakeTransport(Transport):
-    """Options: `host` (default $P2PSYNC_HOST or 127.0.0.1), `protocol` ("auto": rdma
-    when an RDMA device exists, else tcp), `device_name` (RDMA devices, "" = all),
-    `log_level` (Mooncake's own, default WARNING: its INFO level logs every batch;
-    $MC_LOG_LEVEL wins when set)."""
+    """Mooncake Transfer Engine; options: `MooncakeOptions`."""
 
     name = "mooncake"
     requires = ("mooncake.engine",)
     # Device memory needs the CUDA wheel (`mooncake-transfer-engine`, extra `mooncake-cuda`).
     devices = ("cpu", "cuda")
+    Options = MooncakeOptions
 
-    def __init__(self, *, options: dict[str, Any] | None = None) -> None:
+    def __init__(self, *, options: Mapping[str, Any] | MooncakeOptions | None = None) -> None:
         super().__init__(options=options)
-        self.host = str(self.options.get("host") or os.environ.get("P2PSYNC_HOST", "127.0.0.1"))
-        requested = str(self.options.get("protocol", "auto"))
+        self.host = self.options.host or os.environ.get("P2PSYNC_HOST", "127.0.0.1")
+        requested = self.options.protocol
         devices = rdma_devices()
         if requested == "auto":
             self.protocol = "rdma" if devices else "tcp"
@@ -58,21 +72,45 @@ class MooncakeTransport(Transport):
             self.protocol = "tcp"
         else:
             self.protocol = requested
-        self.device_name = str(self.options.get("device_name", ""))
+        self.device_name = self.options.device_name
         self._engine: Any = None
-        self._registered: list[int] = []
+        self._registered: dict[int, int] = {}  # address -> bytes
+
+    @property
+    def registered_bytes(self) -> int:
+        """Bytes of memory this transport has registered with Mooncake now."""
+        return sum(self._registered.values())
 
     @property
     def engine(self) -> Any:
+        """This process's Transfer Engine, started on first use.
+
+        Mooncake picks its TCP data port at random (15000-17000), checks that it is
+        free, closes the check socket and binds it again moments later: processes
+        starting at once on one host can take each other's port in between, and then
+        `initialize` raises "bind: Address already in use". A fresh engine picks a
+        fresh port, so that race is retried."""
         if self._engine is None:
-            os.environ.setdefault("MC_LOG_LEVEL", str(self.options.get("log_level", "WARNING")))
+            os.environ.setdefault("MC_LOG_LEVEL", self.options.log_level)
             from mooncake.engine import TransferEngine
 
-            engine = TransferEngine()
-            rc = engine.initialize(self.host, "P2PHANDSHAKE", self.protocol, self.device_name)
-            if rc != 0:
-                raise TransferError(f"Mooncake initialize({self.host!r}, protocol {self.protocol!r}) returned {rc}")
-            self._engine = engine
+            for attempt in range(1, BIND_ATTEMPTS + 1):
+                engine = TransferEngine()
+                try:
+                    rc = engine.initialize(self.host, "P2PHANDSHAKE", self.protocol, self.device_name)
+                except RuntimeError as exc:
+                    if "Address already in use" not in str(exc) or attempt == BIND_ATTEMPTS:
+                        raise TransferError(
+                            f"Mooncake initialize({self.host!r}, protocol {self.protocol!r}) failed "
+                            f"(attempt {attempt}): {exc}"
+                        ) from exc
+                    log.info("Mooncake lost a port race (%s); starting again on a fresh port", exc)
+                    del engine
+                    continue
+                if rc != 0:
+                    raise TransferError(f"Mooncake initialize({self.host!r}, protocol {self.protocol!r}) returned {rc}")
+                self._engine = engine
+                break
         return self._engine
 
     def _register(self, tensor: torch.Tensor) -> None:
@@ -80,7 +118,7 @@ class MooncakeTransport(Transport):
         rc = self.engine.register_memory(addr, nbytes)
         if rc != 0:
             raise TransferError(f"Mooncake register_memory({addr:#x}, {nbytes}) returned {rc}")
-        self._registered.append(addr)
+        self._registered[addr] = nbytes
 
     def expose(self, tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
         for tensor in tensors:
@@ -92,8 +130,7 @@ class MooncakeTransport(Transport):
 
     def unregister_buffer(self, buffer: torch.Tensor) -> None:
         addr = buffer.data_ptr()
-        if addr in self._registered:
-            self._registered.remove(addr)
+        if self._registered.pop(addr, None) is not None:
             self.engine.unregister_memory(addr)
 
     def open(self, table: TargetTable) -> Peer:
@@ -103,10 +140,13 @@ class MooncakeTransport(Transport):
         return MooncakePeer(self.engine, session)
 
     def close(self) -> None:
+        """Unregister everything and drop the Transfer Engine, whose destruction stops its
+        threads and closes its ports (it takes Mooncake about a second)."""
         if self._engine is not None:
             for addr in self._registered:
                 self._engine.unregister_memory(addr)
-        self._registered = []
+        self._registered = {}
+        self._engine = None
 
     def describe(self) -> dict[str, Any]:
         return {"transport": self.name, "protocol": self.protocol, "rdma_devices": rdma_devices()}

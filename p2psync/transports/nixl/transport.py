@@ -21,6 +21,11 @@ after all Python code has run (exit status 139). Unless told otherwise
 (`ucx_modules`, or $UCX_MODULES), the transport keeps UCX from loading its EFA
 module (`UCX_MODULES=^efa`), which avoids the crash; EFA is an AWS fabric that
 NIXL reaches through its LIBFABRIC backend anyway.
+
+Ports: the agent runs no listener thread, and UCX's TCP transport listens on a port
+the kernel assigns (it binds port 0 unless $UCX_TCP_PORT_RANGE says otherwise), so
+engines starting at once cannot take each other's port, unlike Mooncake's random
+pick (see the Mooncake transport).
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
 from ...core.errors import TransferError, TransferTimeout
 from ...core.transport import Peer, Transport, WriteBatch
@@ -109,12 +115,12 @@ def _region(tensor: torch.Tensor) -> tuple[int, int]:
     return tensor.data_ptr(), tensor.numel() * tensor.element_size()
 
 
-class NixlTransport(Transport):
-    """NIXL over UCX (or another NIXL backend that supports WRITE).
+@dataclass(frozen=True)
+class NixlOptions:
+    """Options of the NIXL transport.
 
-    Options:
     - `backend`: NIXL backend, default "UCX".
-    - `backend_params`: dict passed to `create_backend` (values as strings), e.g.
+    - `backend_params`: passed to `create_backend` (values as strings), e.g.
       `{"ucx_error_handling_mode": "none"}`; see `nixl_agent.get_plugin_params`.
     - `ucx_net_devices`: UCX network devices, e.g. "lo" or "mlx5_0:1" (the UCX
       backend's `ucx_devices` parameter); default: all.
@@ -128,36 +134,52 @@ class NixlTransport(Transport):
     - `progress_interval`, `busy_progress_interval`, `busy_window`: seconds between
       the engine side's progress calls while idle (default 0.005) and while trainers
       write (default 0.0001), and how long after a trainer's notification writes
-      count as under way (default 1.0); see `_progress_loop`.
+      count as under way (default 1.0); see `NixlTransport._progress_loop`.
     - `log_level`: NIXL's own log level (NIXL_LOG_LEVEL), default "WARN": at INFO it
       logs every agent and backend it creates; $NIXL_LOG_LEVEL wins when set.
     """
 
+    backend: str = "UCX"
+    backend_params: dict = field(default_factory=dict)
+    ucx_net_devices: str | None = None
+    ucx_tls: str | None = None
+    ucx_modules: str | None = None
+    memory: Literal["auto", "DRAM", "VRAM"] = "auto"
+    progress_interval: float = 5e-3
+    busy_progress_interval: float = 1e-4
+    busy_window: float = 1.0
+    log_level: str = "WARN"
+
+
+class NixlTransport(Transport):
+    """NIXL over UCX (or another NIXL backend that supports WRITE); options: `NixlOptions`."""
+
     name = "nixl"
     devices = ("cpu", "cuda")
     requires = (NIXL_MODULE,)
+    Options = NixlOptions
 
-    def __init__(self, *, options: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, *, options: Mapping[str, Any] | NixlOptions | None = None) -> None:
         super().__init__(options=options)
-        self.backend = str(self.options.get("backend", "UCX"))
-        params = {str(k): str(v) for k, v in dict(self.options.get("backend_params") or {}).items()}
-        devices = self.options.get("ucx_net_devices", self.options.get("ucx_devices"))
-        if devices:
-            params["ucx_devices"] = str(devices)
+        opts: NixlOptions = self.options
+        self.backend = opts.backend
+        params = {str(k): str(v) for k, v in opts.backend_params.items()}
+        if opts.ucx_net_devices:
+            params["ucx_devices"] = opts.ucx_net_devices
         self.backend_params = params
         self.environment: dict[str, str] = {}
-        if self.options.get("ucx_tls"):
-            self.environment["UCX_TLS"] = str(self.options["ucx_tls"])
-        modules = self.options.get("ucx_modules", None if "UCX_MODULES" in os.environ else "^efa")
+        if opts.ucx_tls:
+            self.environment["UCX_TLS"] = opts.ucx_tls
+        modules = opts.ucx_modules
+        if modules is None and "UCX_MODULES" not in os.environ:
+            modules = "^efa"
         if modules:
-            self.environment["UCX_MODULES"] = str(modules)
-        self.memory = str(self.options.get("memory", "auto")).upper()
-        if self.memory not in (*MEMORY_TYPES, "AUTO"):
-            raise ValueError(f"NIXL transport option memory={self.options['memory']!r}: use 'auto', 'DRAM' or 'VRAM'")
-        self.progress_interval = float(self.options.get("progress_interval", 5e-3))
-        self.busy_progress_interval = float(self.options.get("busy_progress_interval", 1e-4))
-        self.busy_window = float(self.options.get("busy_window", 1.0))
-        self.log_level = str(self.options.get("log_level", "WARN"))
+            self.environment["UCX_MODULES"] = modules
+        self.memory = opts.memory.upper()
+        self.progress_interval = opts.progress_interval
+        self.busy_progress_interval = opts.busy_progress_interval
+        self.busy_window = opts.busy_window
+        self.log_level = opts.log_level
 
         self._agent: Any = None
         self._closed = False

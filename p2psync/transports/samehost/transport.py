@@ -13,10 +13,11 @@ import ctypes
 import os
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ...core.errors import TransferError, where
+from ...core.options import NoOptions
 from ...core.transport import Peer, Transport, WriteBatch
 from ...core.types import TargetTable
 from . import cuda_ipc, vm
@@ -32,8 +33,9 @@ class SameHostTransport(Transport):
 
     name = "samehost"
     devices = ("cpu", "cuda")
+    Options = NoOptions
 
-    def __init__(self, *, options: dict[str, Any] | None = None) -> None:
+    def __init__(self, *, options: Mapping[str, Any] | NoOptions | None = None) -> None:
         super().__init__(options=options)
         self._buffers = AddressMap()  # what CUDA copies read from
         # Nonzero while this engine's memory is exposed; trainers read it before writing, so that

@@ -13,7 +13,8 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ...core.errors import TransferError, TransferTimeout, where
@@ -29,17 +30,25 @@ if TYPE_CHECKING:
     from ...core.rendezvous import Rendezvous
 
 
+@dataclass(frozen=True)
+class TorchDistOptions:
+    """`host`: the address this process's gloo sockets bind to (default $P2PSYNC_HOST or
+    127.0.0.1); `connect_timeout`: seconds (default: the rendezvous's timeout)."""
+
+    host: str | None = None
+    connect_timeout: float | None = None
+
+
 class TorchDistTransport(Transport):
-    """Options: `host`, the address this process's gloo sockets bind to (default
-    $P2PSYNC_HOST or 127.0.0.1), and `connect_timeout` in seconds (default: the
-    rendezvous's timeout)."""
+    """torch.distributed point to point; options: `TorchDistOptions`."""
 
     name = "torchdist"
     devices = ("cpu", "cuda")
+    Options = TorchDistOptions
 
-    def __init__(self, *, options: dict[str, Any] | None = None) -> None:
+    def __init__(self, *, options: Mapping[str, Any] | TorchDistOptions | None = None) -> None:
         super().__init__(options=options)
-        self.host = str(self.options.get("host") or os.environ.get("P2PSYNC_HOST", "127.0.0.1"))
+        self.host = self.options.host or os.environ.get("P2PSYNC_HOST", "127.0.0.1")
         self._buffers = AddressMap()
         self._receiver: Receiver | None = None
 
@@ -50,7 +59,7 @@ class TorchDistTransport(Transport):
 
     @property
     def connect_timeout(self) -> float:
-        return float(self.options.get("connect_timeout") or self._bound().timeout)
+        return float(self.options.connect_timeout or self._bound().timeout)
 
     def expose(self, tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
         device = device_of(tensors)

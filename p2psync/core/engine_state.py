@@ -1,0 +1,96 @@
+"""What an engine rank holds and whether it may serve: the one place an endpoint keeps it.
+
+An engine serves only weights of a known version: from the start, only if its user
+declared the version it loaded; otherwise from its first update on. An update holds
+a lease: paused for version X, the engine expects the trainer to finish (or renew)
+within the lease; if it does not, the update is abandoned, the engine marks itself
+stale and stays out of serving until a later update finishes. A successor that
+replaces the engine (a higher incarnation) retires it for good.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .control import Refused
+
+
+@dataclass
+class EngineState:
+    """Version held, update in progress and its lease, stale mark. Not thread-safe: the
+    endpoint guards it with its lock. Times are `time.monotonic()` seconds."""
+
+    version: str | None = None
+    #: Version of the update in progress (paused for it), if any.
+    updating: str | None = None
+    #: When the update's lease runs out, and its length (renewals extend it by that much).
+    lease_until: float | None = None
+    lease: float = 0.0
+    #: Why the engine does not serve its weights (abandoned update, replaced), if it is stale.
+    stale: str | None = None
+    retired: bool = False
+
+    @property
+    def serving(self) -> bool:
+        return self.version is not None and self.updating is None and self.stale is None
+
+    def why_not_serving(self) -> str:
+        if self.stale is not None:
+            return self.stale
+        if self.updating is not None:
+            return f"it is being updated to version {self.updating!r}"
+        return "it holds weights of no known version (waiting for its first update)"
+
+    def begin(self, version: str, lease: float, now: float) -> bool:
+        """Pause for an update to `version`; True if the engine was serving until now."""
+        self._refuse_if_retired()
+        was_serving = self.serving
+        self.updating, self.lease, self.lease_until = version, lease, now + lease
+        return was_serving
+
+    def renew(self, version: str, now: float) -> None:
+        if self.updating != version:
+            raise Refused(f"lease renewal for version {version!r}, but {self._in_progress()}")
+        self.lease_until = now + self.lease
+
+    def check_finish(self, version: str) -> None:
+        """Refuse a finish that does not end the update in progress."""
+        self._refuse_if_retired()
+        if self.updating != version:
+            raise Refused(f"finish of version {version!r}, but {self._in_progress()}")
+
+    def complete(self, version: str) -> None:
+        """Every write of the update to `version` landed: hold it and serve again. Also
+        after the lease ran out: the bytes are whole, the update only came late."""
+        self.check_finish(version)
+        self.version, self.updating, self.lease_until, self.stale = version, None, None, None
+
+    def expire(self, now: float) -> str | None:
+        """Mark the update abandoned if its lease ran out by `now`; the reason if it did just now."""
+        if self.lease_until is None or now < self.lease_until or self.stale is not None:
+            return None
+        self.stale = (
+            f"update abandoned at version {self.updating!r} (was serving {self.version!r}): no finish within "
+            f"{self.lease:g} s of its start or last renewal; its weights may be mixed"
+        )
+        self.lease_until = None
+        return self.stale
+
+    def retire(self, reason: str) -> bool:
+        """Replaced for good by a successor; True if the engine was serving until now."""
+        was_serving = self.serving
+        self.stale, self.retired, self.updating, self.lease_until = reason, True, None, None
+        return was_serving
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "version": self.version, "updating": self.updating, "serving": self.serving, "stale": self.stale,
+        }
+
+    def _in_progress(self) -> str:
+        return f"the update in progress is to {self.updating!r}" if self.updating else "no update is in progress"
+
+    def _refuse_if_retired(self) -> None:
+        if self.retired:
+            raise Refused(f"this engine rank is no longer served here: {self.stale}")

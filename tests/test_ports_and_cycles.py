@@ -1,0 +1,170 @@
+"""Port races and repeated sessions (issue #20), tox env py.
+
+- Engines starting at once on one host: Mooncake picks a random TCP data port, closes its
+  check socket and binds the port again moments later, so two processes can take each
+  other's port in between ("bind: Address already in use"; once, an sglang engine rank of
+  CI died of it). Eight engine processes start their transport at once, twenty times, in
+  a port range narrowed to make such collisions common; none may fail.
+- A trainer process that connects, updates and closes twenty sessions keeps its threads,
+  file descriptors, registered memory and RSS flat.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is not installed")
+
+import torch  # noqa: E402
+from harness import engines, small_model  # noqa: E402
+
+from p2psync.adapters.fsdp2 import FSDP2Source  # noqa: E402
+from p2psync.core.session import Session  # noqa: E402
+from p2psync.transports.mooncake.transport import MooncakeTransport  # noqa: E402
+
+ENDPOINTS = 8
+ROUNDS = 20
+#: Mooncake's port range for the racing engines (it reads MC_MIN/MAX_RPC_PORT once per
+#: process): 24 ports for the 16 that 8 Transfer Engines hold (an RPC and a data port each).
+PORTS = (24100, 24123)
+
+#: One engine process, light (no torch): on "go" it exposes a buffer over Mooncake as an
+#: engine endpoint does, answers "ok" or the error; on "close" it closes the transport.
+ENGINE = """
+import ctypes, sys
+from p2psync.transports.mooncake.transport import MooncakeTransport
+
+memory = (ctypes.c_uint8 * 4096)()
+
+class Memory:  # the three tensor methods a transport reads
+    def data_ptr(self): return ctypes.addressof(memory)
+    def numel(self): return len(memory)
+    def element_size(self): return 1
+
+for line in sys.stdin:
+    if line == "go\\n":
+        transport = MooncakeTransport()
+        try:
+            transport.expose([Memory()])
+            print("ok", flush=True)
+        except Exception as exc:
+            print(f"{type(exc).__name__}: {exc}".replace("\\n", " "), flush=True)
+    else:
+        transport.close()
+        del transport
+        print("closed", flush=True)
+"""
+
+
+def test_engines_starting_at_once_never_lose_a_port_race():
+    env = {
+        **os.environ, "MC_MIN_RPC_PORT": str(PORTS[0]), "MC_MAX_RPC_PORT": str(PORTS[1]), "MC_LOG_LEVEL": "ERROR",
+        "PYTHONPATH": os.pathsep.join(sys.path),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", ENGINE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, text=True, env=env,
+        )
+        for _ in range(ENDPOINTS)
+    ]
+    failures = []
+    try:
+        for round_ in range(ROUNDS):
+            for command in ("go", "close"):
+                for p in procs:  # all at once: each is blocked reading its next command
+                    p.stdin.write(command + "\n")
+                    p.stdin.flush()
+                for index, p in enumerate(procs):
+                    answer = p.stdout.readline().strip()
+                    assert answer, f"engine {index} exited with {p.wait()} in round {round_}"
+                    if answer not in ("ok", "closed"):
+                        failures.append(f"engine {index} round {round_}: {answer}")
+    finally:
+        for p in procs:
+            p.stdin.close()
+            p.wait(60)
+    assert failures == []
+
+
+class RacingEngine:
+    """A Mooncake Transfer Engine whose first `races` starts lose the port race as a real
+    one does: `initialize` raises "bind: Address already in use"."""
+
+    races = 0
+    real = None  # the class replaced
+
+    def __init__(self) -> None:
+        self._engine = RacingEngine.real()
+
+    def initialize(self, *args):
+        if RacingEngine.races:
+            RacingEngine.races -= 1
+            raise RuntimeError("bind: Address already in use")
+        return self._engine.initialize(*args)
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+
+def test_an_endpoint_that_loses_a_port_race_starts_again_on_a_fresh_port(monkeypatch, caplog):
+    import mooncake.engine
+
+    from p2psync.adapters.torch import serve
+    from p2psync.core.rendezvous import Rendezvous
+
+    RacingEngine.real = mooncake.engine.TransferEngine
+    monkeypatch.setattr(mooncake.engine, "TransferEngine", RacingEngine)
+    RacingEngine.races = 2
+    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="race", is_server=True, timeout=10)
+    caplog.set_level("INFO", logger="p2psync.transports.mooncake.transport")
+    endpoint = serve(small_model(1), engine_id="e", rendezvous=rendezvous, transport="mooncake")
+    try:
+        assert RacingEngine.races == 0
+        assert sum("lost a port race" in r.getMessage() for r in caplog.records) == 2
+        source = FSDP2Source(small_model(0))
+        with Session(source=source, transport="mooncake", rendezvous=rendezvous, check=True) as session:
+            session.connect(["e"])
+            report = session.update("v1")
+            assert report.ok and report.engines["e"].checked, report.format()
+    finally:
+        endpoint.close()
+
+
+def process_counts() -> tuple[int, int, int]:
+    """Threads (native ones included), open file descriptors, resident bytes of this process."""
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd")), rss
+
+
+def test_twenty_sessions_in_one_process_leave_nothing_behind():
+    with engines() as group:
+        group.start("a")
+        model = small_model(0)
+
+        def cycle(step: int) -> MooncakeTransport:
+            transport = MooncakeTransport()
+            source = FSDP2Source(model)
+            with Session(source=source, transport=transport, rendezvous=group.rendezvous, check=True) as session:
+                session.connect(["a"])
+                assert session.update(f"v{step}").ok
+                assert transport.registered_bytes == session.buffer_bytes > 0
+            assert transport.registered_bytes == 0
+            return transport
+
+        cycle(0)  # warm-up: imports, allocator pools, the rendezvous client
+        gc.collect()
+        threads, fds, rss = process_counts()
+        for step in range(1, 21):
+            cycle(step)
+        gc.collect()
+        after = process_counts()
+        assert after[0] == threads, f"threads {threads} -> {after[0]}"
+        assert after[1] == fds, f"file descriptors {fds} -> {after[1]}"
+        assert after[2] - rss < 16 << 20, f"RSS grew by {(after[2] - rss) >> 20} MiB"

@@ -1,0 +1,516 @@
+"""Reliability (issue #20), tox env py: each failure found when p2psync was tried as a new
+user would, with the error text the user sees.
+
+1. a refused connect leaves the session as it was, on every trainer rank;
+2. one engine id, one engine: a second live publisher is refused, a restart replaces its
+   predecessor by incarnation, duplicate ids in `connect` are an error;
+3. a lost trainer rank is a p2psync error naming it; an engine whose update is abandoned
+   marks itself stale, stays out of serving and says so; engines serve only known weights;
+4. zero-element parameters;
+5. an unreachable rendezvous fails within its timeout, naming host, port, job and key.
+Port races and repeated sessions: test_ports_and_cycles.py.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from unittest.mock import ANY
+
+import pytest
+
+pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is not installed")
+
+import torch  # noqa: E402
+from harness import RecordingTransport, engines, small_model  # noqa: E402
+
+from p2psync.adapters.fsdp2 import FSDP2Source  # noqa: E402
+from p2psync.adapters.torch import serve  # noqa: E402
+from p2psync.core.control import ControlServer, post  # noqa: E402
+from p2psync.core.endpoint import EndpointControl, EngineHooks  # noqa: E402
+from p2psync.core.errors import ConnectError, ControlError, P2PSyncError, RendezvousError, UpdateError  # noqa: E402
+from p2psync.core.rendezvous import Rendezvous  # noqa: E402
+from p2psync.core.session import Session  # noqa: E402
+from p2psync.core.types import TargetParam, TargetTable  # noqa: E402
+
+TIMEOUT = 3.0
+
+
+def session_for(rendezvous: Rendezvous, model: torch.nn.Module | None = None, **kwargs) -> Session:
+    kwargs.setdefault("transfer_timeout", TIMEOUT)
+    kwargs.setdefault("check", True)
+    kwargs.setdefault("transport", "mooncake")
+    return Session(source=FSDP2Source(model or small_model(0)), rendezvous=rendezvous, **kwargs)
+
+
+def status(rendezvous: Rendezvous, engine_id: str, *, url: str | None = None) -> dict:
+    """What engine `engine_id` rank 0 says about itself (its status call)."""
+    url = url or rendezvous.read_engine(engine_id)[0].control_url
+    return post(url, "info", token=rendezvous.token(), timeout=10)
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not seen within {timeout} s")
+        time.sleep(0.1)
+
+
+def perturb(model: torch.nn.Module, step: int) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(step)))
+
+
+@contextmanager
+def foreign_engine(rendezvous: Rendezvous, engine_id: str) -> Iterator[str]:
+    """An engine of `small_model`'s shapes whose control endpoint holds another job's token:
+    connect must refuse it (403) after building its layout and opening its peers."""
+    server = ControlServer({"info": lambda body: {}}, token="another-job")
+    params = tuple(
+        TargetParam(name, tuple(p.shape), "float32", 4096 * (i + 1), p.numel() * 4)
+        for i, (name, p) in enumerate(small_model(0).named_parameters())
+    )
+    table = TargetTable(
+        engine_id=engine_id, rank=0, world_size=1, engine="torch", layout_key={"params": "foreign"},
+        transport="mooncake", transport_info={"session": "127.0.0.1:1"}, control_url=server.url, params=params,
+        job_id=rendezvous.job_id, instance=f"foreign:{engine_id}",
+    )
+    assert rendezvous.publish(table) is None
+    try:
+        yield server.url
+    finally:
+        rendezvous.unpublish(table)
+        server.close()
+
+
+# -- 1. atomic connect ------------------------------------------------------------------
+
+
+def test_a_refused_connect_leaves_the_last_good_connection_usable():
+    with engines() as group:
+        group.start("a")
+        model = small_model(0)
+        with session_for(group.rendezvous, model) as session:
+            session.connect(["a"])
+            assert session.update("v1").ok
+            with foreign_engine(group.rendezvous, "x") as url:
+                with pytest.raises(ConnectError) as error:
+                    session.connect(["a", "x"])
+            assert f"engine 'x' rank 0: info at {url} answered 403" in str(error.value)
+            assert "wrong or missing job token" in str(error.value)
+            perturb(model, 1)
+            report = session.update("v2")
+            assert report.ok and set(report.engines) == {"a"}, report.format()
+            assert report.engines["a"].checked  # the digests of the new bytes were compared
+            assert status(group.rendezvous, "a")["version"] == "v2"
+
+
+def test_a_refused_first_connect_leaves_update_before_connect():
+    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="refused", is_server=True, timeout=2)
+    with foreign_engine(rendezvous, "x"):
+        with session_for(rendezvous) as session:
+            with pytest.raises(ConnectError, match="engine 'x' rank 0: info at .* answered 403"):
+                session.connect(["x"])
+            with pytest.raises(P2PSyncError, match="^update before connect$"):
+                session.update("v1")
+
+
+# -- 2. one engine id, one engine -------------------------------------------------------
+
+
+def test_duplicate_engine_ids_in_connect_are_refused():
+    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="dup", is_server=True, timeout=2)
+    with session_for(rendezvous) as session:
+        with pytest.raises(ConnectError, match=r"^engine 'a' is named twice in connect\(\['a', 'b', 'a'\]\)$"):
+            session.connect(["a", "b", "a"])
+
+
+def test_a_second_live_publisher_of_an_engine_id_is_refused():
+    with engines() as group:
+        group.start("a")
+        first = group.rendezvous.read_engine("a")[0]
+        with pytest.raises(RendezvousError) as error:
+            serve(small_model(1), engine_id="a", rendezvous=group.rendezvous, transport=RecordingTransport())
+        assert str(error.value).startswith(
+            f"engine 'a' rank 0 is already served by incarnation 0 at {first.control_url} ({first.instance}); "
+        )
+        assert "start this one with incarnation=1 to replace it" in str(error.value)
+        assert group.rendezvous.read_engine("a")[0] == first  # nothing replaced
+        with session_for(group.rendezvous) as session:
+            session.connect(["a"])
+            assert session.update("v1").ok
+        assert status(group.rendezvous, "a")["version"] == "v1"
+
+
+def test_an_explicit_incarnation_replaces_a_live_predecessor_which_stops_serving():
+    with engines() as group:
+        group.start("a")
+        first = group.rendezvous.read_engine("a")[0]
+        successor = serve(
+            small_model(1), engine_id="a", rendezvous=group.rendezvous, transport=RecordingTransport(), incarnation=1
+        )
+        try:
+            assert group.rendezvous.read_engine("a")[0].incarnation == 1
+            old = status(group.rendezvous, "a", url=first.control_url)
+            assert old["serving"] is False
+            assert old["stale"] == "replaced by incarnation 1 of engine 'a' rank 0"
+        finally:
+            successor.close()
+
+
+def test_a_restarted_engine_replaces_its_dead_predecessor_as_the_next_incarnation():
+    with engines() as group:
+        group.start("a")
+        assert group.rendezvous.read_engine("a")[0].incarnation == 0
+        group.kill("a")
+        group.start("a", seed=3)
+        table = wait_for(
+            lambda: next((t for t in group.rendezvous.read_engine("a") if t.incarnation == 1), None),
+            60,
+            "incarnation 1",
+        )
+        with session_for(group.rendezvous) as session:
+            session.connect(["a"])
+            assert session.tables["a"][0] == table
+            assert session.update("v1").ok
+
+
+# -- 3. lost trainers and abandoned updates -------------------------------------------------
+
+
+def test_an_abandoned_update_marks_the_engine_stale_until_the_next_update(caplog):
+    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="lease", is_server=True, timeout=5)
+    stale: list[str] = []
+    hooks = EngineHooks(on_stale=stale.append, routes={"generate": lambda body: {"tokens": [1, 2]}})
+    endpoint = serve(
+        small_model(1), engine_id="e", rendezvous=rendezvous, transport=RecordingTransport(), hooks=hooks, version="v0"
+    )
+    try:
+        control = EndpointControl(rendezvous.read_engine("e"), timeout=5, token=rendezvous.token())
+        url = endpoint.url
+        assert post(url, "generate", token=rendezvous.token(), timeout=5) == {"tokens": [1, 2]}
+        control.pause("v1", lease=0.5)
+        with pytest.raises(ControlError, match="engine 'e' rank 0 is not serving: it is being updated to version 'v1'"):
+            post(url, "generate", token=rendezvous.token(), timeout=5)
+        reason = (
+            "update abandoned at version 'v1' (was serving 'v0'): no finish within 0.5 s of its start or last "
+            "renewal; its weights may be mixed"
+        )
+        wait_for(lambda: status(rendezvous, "e")["stale"], 5, "the stale mark")
+        assert status(rendezvous, "e") == {
+            "rank": 0, "incarnation": 0, "instance": ANY, "version": "v0", "updating": "v1", "serving": False,
+            "stale": reason,
+        }
+        assert stale == [reason]
+        assert any(r.levelname == "ERROR" and reason in r.getMessage() for r in caplog.records)
+        with pytest.raises(ControlError, match=re.escape(f"engine 'e' rank 0 is not serving: {reason}")):
+            post(url, "generate", token=rendezvous.token(), timeout=5)
+
+        control.pause("v2", lease=30)  # the next update
+        control.finish("v2")
+        assert status(rendezvous, "e") == {
+            "rank": 0, "incarnation": 0, "instance": ANY, "version": "v2", "updating": None, "serving": True,
+            "stale": None,
+        }
+        assert post(url, "generate", token=rendezvous.token(), timeout=5) == {"tokens": [1, 2]}
+    finally:
+        endpoint.close()
+
+
+def test_an_engine_serves_no_weights_of_unknown_version():
+    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="fresh", is_server=True, timeout=5)
+    paused: list[bool] = []
+    hooks = EngineHooks(pause=lambda: paused.append(True), routes={"generate": lambda body: {"tokens": [3]}})
+    endpoint = serve(small_model(1), engine_id="e", rendezvous=rendezvous, transport=RecordingTransport(), hooks=hooks)
+    try:
+        assert paused == [True]  # held out of serving from the start
+        assert status(rendezvous, "e")["serving"] is False
+        with pytest.raises(ControlError) as error:
+            post(endpoint.url, "generate", token=rendezvous.token(), timeout=5)
+        assert (
+            "engine 'e' rank 0 is not serving: it holds weights of no known version (waiting for its first update)"
+            in str(error.value)
+        )
+        assert "503" in str(error.value)
+    finally:
+        endpoint.close()
+    declared = serve(
+        small_model(1), engine_id="d", rendezvous=rendezvous, transport=RecordingTransport(), hooks=hooks,
+        version="ckpt-0",
+    )
+    try:
+        assert status(rendezvous, "d")["serving"] is True
+        assert post(declared.url, "generate", token=rendezvous.token(), timeout=5) == {"tokens": [3]}
+    finally:
+        declared.close()
+
+
+def test_a_trainer_failing_mid_update_raises_a_p2psync_error_and_the_engine_goes_stale():
+    with engines() as group:
+        group.start("a")
+        with session_for(group.rendezvous, bucket_bytes=1, update_lease=2.0) as session:
+            session.connect(["a"])
+            assert session.update("v1").ok
+
+            def crash(done: int, total: int) -> None:
+                if done == 2:
+                    raise RuntimeError("the trainer crashed")
+
+            with pytest.raises(UpdateError) as error:
+                session.update("v2", progress=crash)
+            assert str(error.value) == "update 'v2' failed on trainer rank 0: RuntimeError: the trainer crashed"
+            with pytest.raises(UpdateError, match="this session is unusable after update 'v2' failed; close it"):
+                session.update("v3")
+        reason = wait_for(lambda: status(group.rendezvous, "a")["stale"], 10, "the stale mark")
+        assert reason.startswith("update abandoned at version 'v2' (was serving 'v1')")
+        with session_for(group.rendezvous) as session:  # the next trainer
+            session.connect(["a"])
+            assert session.update("v3").ok
+        assert status(group.rendezvous, "a") == {
+            "rank": 0, "incarnation": 0, "instance": ANY, "version": "v3", "updating": None, "serving": True,
+            "stale": None,
+        }
+
+
+def trainer_rank(rank: int, port: int, job_id: str, results) -> None:
+    """Trainer rank of a 2-rank FSDP2 world: a refused connect, then an update that rank 1 dies in."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from p2psync.core.logs import configure
+
+    configure(f"trainer {rank}")
+    torch.set_num_threads(1)
+    rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id=job_id, timeout=30)
+    dist.init_process_group("gloo", store=dist.PrefixStore("gloo/", rendezvous._root), rank=rank, world_size=2)
+    model = small_model(0)
+    for layer in model:
+        fully_shard(layer)
+    session = session_for(rendezvous, model, bucket_bytes=1, update_lease=4.0)
+    session.connect(["a"])
+    assert session.update("v1").ok
+    try:
+        session.connect(["a", "x"])
+        refused = ""
+    except ConnectError as exc:
+        refused = str(exc)
+    report = session.update("v2")
+    results.put((rank, "refused", refused, report.ok, sorted(report.engines)))
+
+    def die(done: int, total: int) -> None:
+        if rank == 1 and done == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    started = time.monotonic()
+    try:
+        session.update("v3", progress=die)
+        results.put((rank, "lost", "no error", 0.0))
+    except P2PSyncError as exc:
+        results.put((rank, "lost", f"{type(exc).__name__}: {exc}", time.monotonic() - started))
+    results.close()
+    results.join_thread()
+    os._exit(0)  # the world is broken: no orderly teardown
+
+
+def collect(results, count: int, procs: list, timeout: float) -> list:
+    """`count` results, failing early once every process has exited without sending them."""
+    import queue
+
+    got: list = []
+    deadline = time.monotonic() + timeout
+    while len(got) < count:
+        try:
+            got.append(results.get(timeout=1))
+        except queue.Empty:
+            if time.monotonic() > deadline or not any(p.is_alive() for p in procs):
+                raise AssertionError(f"only {len(got)} of {count} results: {got}") from None
+    return got
+
+
+def test_a_lost_trainer_rank_is_named_and_the_engine_does_not_resume_mixed_weights():
+    with engines() as group:
+        group.start("a")
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        with foreign_engine(group.rendezvous, "x"):
+            ranks = [
+                ctx.Process(target=trainer_rank, args=(r, group.rendezvous.port, group.rendezvous.job_id, results))
+                for r in range(2)
+            ]
+            for p in ranks:
+                p.start()
+            got = collect(results, 3, ranks, timeout=180)
+            for p in ranks:
+                p.join(30)
+        refused = sorted(g for g in got if g[1] == "refused")
+        assert [g[0] for g in refused] == [0, 1]
+        for _, _, error, ok, engines_ in refused:  # every rank refused alike and kept its connection
+            assert "engine 'x' rank 0: info at" in error and "403" in error
+            assert ok and engines_ == ["a"]
+        lost = [g for g in got if g[1] == "lost"]
+        assert [g[0] for g in lost] == [0]
+        _, _, error, seconds = lost[0]
+        assert error.startswith("TrainerLost: update 'v3' failed: trainer rank 1 was lost"), error
+        assert seconds < 30
+        reason = wait_for(lambda: status(group.rendezvous, "a")["stale"], 15, "the stale mark")
+        assert reason.startswith("update abandoned at version 'v3' (was serving 'v2')")
+        assert status(group.rendezvous, "a")["serving"] is False
+        with session_for(group.rendezvous) as session:  # the next trainer world
+            session.connect(["a"])
+            assert session.update("v4").ok
+        assert status(group.rendezvous, "a")["stale"] is None
+
+
+# -- 4. zero-element parameters ---------------------------------------------------------------
+
+
+def with_empty(model: torch.nn.Module) -> torch.nn.Module:
+    model.register_parameter("empty", torch.nn.Parameter(torch.empty(0, 8)))
+    return model
+
+
+def empty_param_engine(port: int, job_id: str, transport: str, stop) -> None:
+    rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id=job_id)
+    endpoint = serve(with_empty(small_model(1)), engine_id="z", rendezvous=rendezvous, transport=transport)
+    stop.wait()
+    endpoint.close()
+
+
+@pytest.mark.parametrize("transport", ["mooncake", "nixl"])
+def test_zero_element_parameters_are_served_and_updated(transport):
+    if transport == "nixl":
+        pytest.importorskip("nixl_cu12", reason="NIXL (p2psync[nixl]) is not installed")
+    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="empty", is_server=True, timeout=30)
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    proc = ctx.Process(target=empty_param_engine, args=(rendezvous.port, "empty", transport, stop), daemon=True)
+    proc.start()
+    try:
+        table = rendezvous.read_engine("z")[0]
+        assert [(p.shape, p.nbytes) for p in table.params if p.name == "empty"] == [((0, 8), 0)]
+        with session_for(rendezvous, with_empty(small_model(0)), transport=transport) as session:
+            session.connect(["z"])
+            report = session.update("v1")
+            assert report.ok and report.engines["z"].checked, report.format()
+            assert report.engines["z"].bytes == table.nbytes
+    finally:
+        stop.set()
+        proc.join(20)
+
+
+# -- 5. rendezvous errors -----------------------------------------------------------------------
+
+
+def closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+RENDEZVOUS_PROBE = """
+import sys, time
+import torch.distributed
+from p2psync.core.rendezvous import Rendezvous
+port, timeout, what = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+start = time.monotonic()
+try:
+    rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id="job-7", timeout=timeout)
+    rendezvous.token() if what == "token" else rendezvous.read_engine("ghost")
+except Exception as exc:
+    print(f"{type(exc).__name__}: {exc}")
+print(f"{time.monotonic() - start:.2f}")
+"""
+
+
+def run_probe(port: int, timeout: float, what: str) -> tuple[str, float, str]:
+    done = subprocess.run(
+        [sys.executable, "-c", RENDEZVOUS_PROBE, str(port), str(timeout), what],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    *lines, seconds = done.stdout.strip().splitlines()
+    return "\n".join(lines), float(seconds), done.stderr
+
+
+def test_an_unreachable_rendezvous_fails_within_its_timeout_naming_host_port_job_and_key():
+    port = closed_port()
+    error, seconds, stderr = run_probe(port, 2.0, "token")
+    assert error == (
+        f"RendezvousError: no rendezvous answers at 127.0.0.1:{port} (job 'job-7') within 2 s, "
+        "waiting for key 'token': connection refused"
+    )
+    assert seconds < 2.0 + 1.5
+    assert "frame #" not in stderr and "Exception raised from" not in stderr and "socket" not in stderr, stderr
+
+
+def test_a_key_that_never_comes_fails_within_the_timeout_naming_host_port_job_and_key():
+    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="job-7", is_server=True, timeout=30)
+    error, seconds, stderr = run_probe(rendezvous.port, 2.0, "engine")
+    assert error == (
+        f"RendezvousError: rendezvous 127.0.0.1:{rendezvous.port} (job 'job-7'): key 'engine/ghost/world_size' "
+        "of engine 'ghost' not published within 2 s"
+    )
+    assert 2.0 <= seconds < 2.0 + 1.5
+    assert "frame #" not in stderr and "Exception raised from" not in stderr, stderr
+
+
+# -- the sglang server after an abandoned update ------------------------------------------------
+
+
+@contextmanager
+def fake_sglang_server(begin_answer: tuple[int, dict]) -> Iterator[tuple[str, list[str]]]:
+    """An HTTP server answering sglang's weight-update routes as sglang 0.5.23 does; yields
+    its URL and the paths called."""
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from threading import Thread
+
+    calls: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            calls.append(self.path)
+            status, body = begin_answer if self.path == "/begin_weight_update" else (200, {"success": True})
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", calls
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_next_update_takes_over_the_weight_update_session_an_abandoned_one_left_open():
+    from p2psync.adapters.sglang.server import ServerControl
+
+    message = "a weight-update session is already open; call end_weight_update() first"  # sglang 0.5.23's words
+    left_open = (400, {"success": False, "message": message})
+    with fake_sglang_server(left_open) as (url, calls):
+        ServerControl(url, engine_id="s", timeout=5).pause("v2", 30.0)
+        assert calls == ["/pause_generation", "/begin_weight_update"]
+    with fake_sglang_server((400, {"success": False, "message": "out of memory"})) as (url, calls):
+        with pytest.raises(ControlError, match="engine 's': /begin_weight_update at .* failed: .*out of memory"):
+            ServerControl(url, engine_id="s", timeout=5).pause("v2", 30.0)
