@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ...core.errors import TransferError, TransferTimeout
 from ...core.transport import Peer, Transport, WriteBatch
 from ...core.types import TargetTable
+from .startup import StartupFailed, initialize_quietly
 
 if TYPE_CHECKING:
     import torch
@@ -29,6 +30,11 @@ log = logging.getLogger(__name__)
 PENDING = 1
 #: How often to start a Transfer Engine that lost a port race (see `MooncakeTransport.engine`).
 BIND_ATTEMPTS = 8
+
+
+def _said(lines: list[str]) -> str:
+    """What Mooncake printed, for an error message."""
+    return ("; Mooncake said: " + " | ".join(lines[-5:])) if lines else ""
 
 
 def rdma_devices() -> list[str]:
@@ -96,19 +102,23 @@ class MooncakeTransport(Transport):
 
             for attempt in range(1, BIND_ATTEMPTS + 1):
                 engine = TransferEngine()
+                start = f"Mooncake initialize({self.host!r}, protocol {self.protocol!r})"
                 try:
-                    rc = engine.initialize(self.host, "P2PHANDSHAKE", self.protocol, self.device_name)
-                except RuntimeError as exc:
-                    if "Address already in use" not in str(exc) or attempt == BIND_ATTEMPTS:
+                    rc, said = initialize_quietly(
+                        lambda: engine.initialize(self.host, "P2PHANDSHAKE", self.protocol, self.device_name)
+                    )
+                except StartupFailed as failed:
+                    if not isinstance(failed.cause, RuntimeError):
+                        raise failed.cause from None
+                    if "Address already in use" not in str(failed) or attempt == BIND_ATTEMPTS:
                         raise TransferError(
-                            f"Mooncake initialize({self.host!r}, protocol {self.protocol!r}) failed "
-                            f"(attempt {attempt}): {exc}"
-                        ) from exc
-                    log.info("Mooncake lost a port race (%s); starting again on a fresh port", exc)
+                            f"{start} failed (attempt {attempt}): {failed}" + _said(failed.said)
+                        ) from failed.cause
+                    log.info("Mooncake lost a port race (%s); starting again on a fresh port", failed)
                     del engine
                     continue
                 if rc != 0:
-                    raise TransferError(f"Mooncake initialize({self.host!r}, protocol {self.protocol!r}) returned {rc}")
+                    raise TransferError(f"{start} returned {rc}" + _said(said))
                 self._engine = engine
                 break
         return self._engine
