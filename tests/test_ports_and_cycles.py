@@ -93,10 +93,11 @@ def test_engines_starting_at_once_never_lose_a_port_race():
 
 
 class RacingEngine:
-    """A Mooncake Transfer Engine whose first `races` starts lose the port race as a real
-    one does: `initialize` raises "bind: Address already in use"."""
+    """A Mooncake Transfer Engine whose first starts lose the port race as real ones do:
+    `initialize` raises "bind: Address already in use" ("raise"), or prints Mooncake's
+    "unable to find available tcp port" and returns -1 ("return")."""
 
-    races = 0
+    races: list[str] = []
     real = None  # the class replaced
 
     def __init__(self) -> None:
@@ -104,15 +105,18 @@ class RacingEngine:
 
     def initialize(self, *args):
         if RacingEngine.races:
-            RacingEngine.races -= 1
-            raise RuntimeError("bind: Address already in use")
+            if RacingEngine.races.pop(0) == "raise":
+                raise RuntimeError("bind: Address already in use")
+            os.write(2, b"E1130 tcp_transport.cpp:1] TcpTransport: unable to find available tcp port for data"
+                        b" transmission\nE1130 transfer_engine_impl.cpp:436] Failed to install TCP transport\n")
+            return -1
         return self._engine.initialize(*args)
 
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
 
 
-def test_an_endpoint_that_loses_a_port_race_starts_again_on_a_fresh_port(monkeypatch, caplog):
+def test_an_endpoint_that_loses_a_port_race_starts_again_on_fresh_ports(monkeypatch, caplog):
     import mooncake.engine
 
     from p2psync.adapters.torch import serve
@@ -120,13 +124,13 @@ def test_an_endpoint_that_loses_a_port_race_starts_again_on_a_fresh_port(monkeyp
 
     RacingEngine.real = mooncake.engine.TransferEngine
     monkeypatch.setattr(mooncake.engine, "TransferEngine", RacingEngine)
-    RacingEngine.races = 2
+    RacingEngine.races = ["raise", "return", "raise"]
     rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="race", is_server=True, timeout=10)
     caplog.set_level("INFO", logger="p2psync.transports.mooncake.transport")
     endpoint = serve(small_model(1), engine_id="e", rendezvous=rendezvous, transport="mooncake")
     try:
-        assert RacingEngine.races == 0
-        assert sum("lost a port race" in r.getMessage() for r in caplog.records) == 2
+        assert RacingEngine.races == []
+        assert sum("lost a port race" in r.getMessage() for r in caplog.records) == 3
         source = FSDP2Source(small_model(0))
         with Session(source=source, transport="mooncake", rendezvous=rendezvous, check=True) as session:
             session.connect(["e"])
@@ -134,6 +138,25 @@ def test_an_endpoint_that_loses_a_port_race_starts_again_on_a_fresh_port(monkeyp
             assert report.ok and report.engines["e"].checked, report.format()
     finally:
         endpoint.close()
+
+
+def test_a_start_that_fails_for_another_reason_is_not_retried(monkeypatch):
+    import mooncake.engine
+
+    from p2psync.core.errors import TransferError
+
+    class BrokenEngine:
+        starts = 0
+
+        def initialize(self, *args):
+            BrokenEngine.starts += 1
+            os.write(2, b"E1130 transfer_engine_impl.cpp:1] Failed to install RDMA transport\n")
+            return -1
+
+    monkeypatch.setattr(mooncake.engine, "TransferEngine", BrokenEngine)
+    with pytest.raises(TransferError, match=r"returned -1 \(attempt 1\).*Failed to install RDMA transport"):
+        MooncakeTransport(options={"protocol": "tcp"}).engine
+    assert BrokenEngine.starts == 1
 
 
 def process_counts() -> tuple[int, int, int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,11 +31,18 @@ log = logging.getLogger(__name__)
 PENDING = 1
 #: How often to start a Transfer Engine that lost a port race (see `MooncakeTransport.engine`).
 BIND_ATTEMPTS = 8
+#: What Mooncake says when another process took the port it picked.
+PORT_RACE = re.compile(r"Address already in use|unable to find available tcp port")
 
 
 def _said(lines: list[str]) -> str:
     """What Mooncake printed, for an error message."""
     return ("; Mooncake said: " + " | ".join(lines[-5:])) if lines else ""
+
+
+def _lost_port_race(failure: str, said: list[str]) -> bool:
+    """Whether a failed start lost a port to another process starting at the same time."""
+    return any(PORT_RACE.search(line) for line in [failure, *said])
 
 
 def rdma_devices() -> list[str]:
@@ -93,16 +101,17 @@ class MooncakeTransport(Transport):
 
         Mooncake picks its TCP data port at random (15000-17000), checks that it is
         free, closes the check socket and binds it again moments later: processes
-        starting at once on one host can take each other's port in between, and then
-        `initialize` raises "bind: Address already in use". A fresh engine picks a
-        fresh port, so that race is retried."""
+        starting at once on one host can take each other's port in between. The loser's
+        `initialize` raises "bind: Address already in use", or returns -1 after "unable to
+        find available tcp port" when every port it tried was taken. A fresh engine picks
+        fresh ports, so either is retried."""
         if self._engine is None:
             os.environ.setdefault("MC_LOG_LEVEL", self.options.log_level)
             from mooncake.engine import TransferEngine
 
+            start = f"Mooncake initialize({self.host!r}, protocol {self.protocol!r})"
             for attempt in range(1, BIND_ATTEMPTS + 1):
                 engine = TransferEngine()
-                start = f"Mooncake initialize({self.host!r}, protocol {self.protocol!r})"
                 try:
                     rc, said = initialize_quietly(
                         lambda: engine.initialize(self.host, "P2PHANDSHAKE", self.protocol, self.device_name)
@@ -110,17 +119,16 @@ class MooncakeTransport(Transport):
                 except StartupFailed as failed:
                     if not isinstance(failed.cause, RuntimeError):
                         raise failed.cause from None
-                    if "Address already in use" not in str(failed) or attempt == BIND_ATTEMPTS:
-                        raise TransferError(
-                            f"{start} failed (attempt {attempt}): {failed}" + _said(failed.said)
-                        ) from failed.cause
-                    log.info("Mooncake lost a port race (%s); starting again on a fresh port", failed)
-                    del engine
-                    continue
-                if rc != 0:
-                    raise TransferError(f"{start} returned {rc}" + _said(said))
-                self._engine = engine
-                break
+                    failure, said, cause = f"failed: {failed}", failed.said, failed.cause
+                else:
+                    if rc == 0:
+                        self._engine = engine
+                        break
+                    failure, cause = f"returned {rc}", None
+                if not _lost_port_race(failure, said) or attempt == BIND_ATTEMPTS:
+                    raise TransferError(f"{start} {failure} (attempt {attempt})" + _said(said)) from cause
+                log.info("Mooncake lost a port race (%s); starting again on fresh ports", failure)
+                del engine
         return self._engine
 
     def _register(self, tensor: torch.Tensor) -> None:
