@@ -66,12 +66,11 @@ def test_bench_sglang_engine_ranks_receive_their_shard_only(capsys):
 
 def _shard_bytes() -> dict[int, int]:
     """Bytes of each TP rank's parameters in sglang's own model of it (bfloat16, on meta)."""
-    from p2psync.adapters.sglang.shim import RankSpec, build_rank_model
+    from p2psync.adapters.sglang import rank_params
     from p2psync.bench.model import hf_config
+    from p2psync.core.types import ParamSpec
 
     return {
-        rank: sum(p.numel() * p.element_size() for p in build_rank_model(
-            RankSpec(hf_config("moe-tiny"), 2, 1, "bfloat16", rank), "meta"
-        ).model.parameters())
+        rank: sum(ParamSpec(*p).nbytes for p in rank_params(hf_config("moe-tiny"), tp=2, rank=rank))
         for rank in range(2)
     }

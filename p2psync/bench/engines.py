@@ -79,7 +79,7 @@ def start_rank(index: int, opts: BenchOptions, port: int) -> EngineRank:
                 params[name].copy_(tensor)
 
         return EngineRank(endpoint, copy)
-    from ..adapters.sglang.bench_rank import start_rank as start_sglang
+    from ..adapters.sglang import serve_rank
     from ..core.logs import configure
     from ..core.rendezvous import Rendezvous
     from .model import hf_config
@@ -88,8 +88,9 @@ def start_rank(index: int, opts: BenchOptions, port: int) -> EngineRank:
     configure(f"{engine_id} rank {rank}")
     torch.set_num_threads(1)
     rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id=opts.job_id)
-    endpoint, load = start_sglang(
-        hf_config(opts.size), tp(opts), rank, engine_id=engine_id, rendezvous=rendezvous, transport=opts.transport
+    endpoint, load = serve_rank(
+        hf_config(opts.size), tp=tp(opts), rank=rank, engine_id=engine_id, rendezvous=rendezvous,
+        transport=opts.transport,
     )
     return EngineRank(endpoint, load)
 
