@@ -10,13 +10,12 @@ rank measured.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..core.buckets import make_buckets
-from ..core.layout import ParamGroup
 from ..demo import DemoOptions, launch
 from ..core.types import ParamSpec, numel
 from . import broadcast, engines, limits, results, rss, verify
@@ -65,12 +64,11 @@ def bench_engine(index: int, opts: BenchOptions, port: int, stop: Any) -> None:
     broadcast.engine_loop(endpoint.rendezvous, index, members, endpoint.params, rank.load, stop, GROUP_TIMEOUT)
     stop.wait()
     endpoint.close()
-
-
-def _broadcast_buckets(source: TrainerSource, bucket_bytes: int) -> list[list[str]]:
-    """The trainer's HF tensors in gather order, packed up to `bucket_bytes`."""
-    specs = source.param_specs()
-    return make_buckets(specs, [ParamGroup((s.name,), (s.name,), s.nbytes) for s in specs], bucket_bytes)
+    # Everything is closed. The interpreter's teardown of a process holding vLLM (or sglang) and
+    # Mooncake can hang in native code (seen: more than the launcher's 60 s), so end it here.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def gather_plans(ways: list[Way]) -> tuple[dict[str, tuple[list[list[str]], dict[str, str]]], dict[str, str]]:
@@ -121,7 +119,7 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
         transfer_timeout=opts.transfer_timeout, check=opts.check,
     )
     session.connect(ids)
-    buckets = _broadcast_buckets(source, opts.bucket_bytes)
+    buckets = session.buckets  # the broadcast gathers the same buckets: only the way of sending differs
     dtype = engines.engine_dtype(opts.engine)
     members = opts.engines * engines.tp(opts)
     specs = {s.name: s for s in source.param_specs()}
