@@ -11,7 +11,8 @@ from typing import Any
 #: What an update's own Python objects (reports, lists, pymalloc's 1 MiB arenas) may add to RSS, beside its
 #: buffers and tensors: measured 0.3-1 MB on the tiny model, where nothing else is large.
 INTERPRETER_BYTES = 2 << 20
-#: Phases of each way's update, in the order they happen (see `Session.phase_seconds`, `broadcast.Leader.send`).
+#: Phases of each way's update, in the order they happen (see `Session.phase_seconds`, `broadcast.Leader.send`,
+#: `ways.BroadcastWay.update`).
 PHASES = ("pause", "command", "gather", "produce", "buffer_wait", "drain", "engine_load", "verify", "finish")
 
 

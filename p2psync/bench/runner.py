@@ -23,6 +23,7 @@ from .report import summary
 from .ways import WAYS, BroadcastWay, P2PWay, Way, make_ways
 
 if TYPE_CHECKING:
+    from ..core.engine import EngineControl
     from ..core.report import UpdateReport
     from ..core.source import TrainerSource
 
@@ -69,6 +70,17 @@ def bench_engine(index: int, opts: BenchOptions, port: int, stop: Any) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _controls(session: Any) -> list[EngineControl]:
+    """Control clients of the session's engines, through the registry's engine targets."""
+    from ..core.plugins import registry
+
+    return [
+        registry().engine_target(tables[0].engine)().control(tables, timeout=session.transfer_timeout,
+                                                             token=session.token)
+        for tables in session.tables.values()
+    ]
 
 
 def gather_plans(ways: list[Way]) -> tuple[dict[str, tuple[list[list[str]], dict[str, str]]], dict[str, str]]:
@@ -124,7 +136,8 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
     members = opts.engines * engines.tp(opts)
     specs = {s.name: s for s in source.param_specs()}
     leader = broadcast.Leader(rendezvous, specs, buckets, dtype, members, GROUP_TIMEOUT) if rank == 0 else None
-    ways = make_ways(ways_for(opts), session, source, buckets, leader, dtype)
+    controls = _controls(session) if rank == 0 else []
+    ways = make_ways(ways_for(opts), session, source, buckets, leader, controls, dtype)
     plans, gathers = gather_plans(ways)
     rounds = opts.warmup + opts.updates
     bar = tqdm(
@@ -161,6 +174,8 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
     held = _verify(ways, leader, session, broadcast_log, progress)
     bar.close()
     engine_stats = leader.stop(GROUP_TIMEOUT) if leader is not None else []
+    for control in controls:
+        control.close()
     memory.update(
         transfer_buffers_bytes=session.buffer_bytes, largest_group_bytes=session.largest_group_bytes,
         bucket_bytes=opts.bucket_bytes, broadcast_flat_bytes=leader.flat_buffer_bytes if leader else 0,

@@ -29,6 +29,7 @@ from . import broadcast
 if TYPE_CHECKING:
     import torch
 
+    from ..core.engine import EngineControl
     from ..core.report import UpdateReport
     from ..core.session import Session
     from ..core.source import TrainerSource
@@ -111,16 +112,21 @@ class P2PWay(Way):
 
 class BroadcastWay(Way):
     """The broadcast path (`broadcast`), gathering in `gather_dtype` (None: the trainer's) and
-    sending in `send_dtype` (the engines'; None: the trainer's). `leader` on trainer rank 0."""
+    sending in the engines' dtype. `leader` on trainer rank 0, with `controls`, the engines'
+    control clients: it pauses and finishes the engines as p2psync does (and as miles' and
+    slime's broadcast paths pause and resume generation), so that both pay the same calls."""
 
     def __init__(
         self, name: str, description: str, source: TrainerSource, buckets: list[list[str]],
-        leader: broadcast.Leader | None, gather_dtype: str | None, reference: bool = False,
+        leader: broadcast.Leader | None, gather_dtype: str | None, controls: Sequence[EngineControl] = (),
+        reference: bool = False,
     ) -> None:
         self.name, self.description, self.reference = name, description, reference
         self.source = source
         self.buckets = buckets
         self.leader = leader
+        self.controls = controls
+        self._updates = 0
         self.casts = {n: gather_dtype for b in buckets for n in b} if gather_dtype else {}
         self._clock = PhaseClock()
         self._sent = 0
@@ -135,8 +141,15 @@ class BroadcastWay(Way):
         start = time.monotonic()
         self._clock = PhaseClock()
         if self.leader is not None:
+            for control in self.controls:
+                control.pause()
+            self._clock.lap("pause")
             self.leader.send(self._gather, self._clock, progress)
             self._sent = self.leader.sent_bytes
+            self._updates += 1
+            for control in self.controls:
+                control.finish(f"{self.name}-{self._updates}")
+            self._clock.lap("finish")
         else:
             broadcast.follow(self._gather, self.buckets, progress)
             self._clock.lap("gather")
@@ -156,7 +169,7 @@ class BroadcastWay(Way):
 
 def make_ways(
     names: Sequence[str], session: Session, source: TrainerSource, buckets: list[list[str]],
-    leader: broadcast.Leader | None, engine_dtype: str | None,
+    leader: broadcast.Leader | None, controls: Sequence[EngineControl], engine_dtype: str | None,
 ) -> list[Way]:
     """The ways `names` asks for, in that order; `engine_dtype` None: the engines hold the
     trainer's dtype (then `broadcast-fp32` would be `broadcast` again, and is left out)."""
@@ -164,13 +177,13 @@ def make_ways(
         "p2p": lambda: P2PWay(session),
         "broadcast": lambda: BroadcastWay(
             "broadcast", "broadcast, gathers cast to the engines' dtype, overlapped with the broadcasts", source,
-            buckets, leader, engine_dtype, reference=engine_dtype is None,
+            buckets, leader, engine_dtype, controls, reference=engine_dtype is None,
         ),
     }
     if engine_dtype is not None:
         available["broadcast-fp32"] = lambda: BroadcastWay(
             "broadcast-fp32", "broadcast, gathers in the trainer's dtype then cast (verl's FSDP path)", source,
-            buckets, leader, None, reference=True,
+            buckets, leader, None, controls, reference=True,
         )
     unknown = [n for n in names if n not in available]
     if unknown:
