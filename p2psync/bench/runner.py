@@ -145,13 +145,8 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
         unit="bucket", disable=rank != 0 or not opts.progress,
     )
     progress = bar.update
-    seconds: dict[str, list[float]] = {name: [] for name in [w.name for w in ways] + list(plans)}
-    phases: dict[str, list[dict[str, float]]] = {w.name: [] for w in ways}
-    sent: dict[str, list[int]] = {w.name: [] for w in ways}
-    broadcast_log: list[str] = []  # the way of each broadcast update, in order ("" when untimed)
-    memory: dict[str, int] = {}
+    measured = Rounds(ways, list(plans))
     for i in range(rounds):
-        timed = i >= opts.warmup
         steps: list[tuple[str, Callable[[], float], Way | None]] = [
             (w.name, lambda w=w: w.update(progress), w) for w in ways
         ]
@@ -161,28 +156,20 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
         for name, run, way in steps:
             bar.set_description(name)
             before = rss.reset_peak()
-            took = run()
-            _remember_memory(memory, name, i == 0, before)
-            if isinstance(way, BroadcastWay):
-                broadcast_log.append(name if timed else "")
-            if timed:
-                seconds[name].append(took)
-                if way is not None:
-                    phases[name].append(way.phase_seconds)
-                    sent[name].append(way.sent_bytes)
+            measured.record(name, run(), way, first=i == 0, timed=i >= opts.warmup, rss_before=before)
     bar.set_description("verify")
-    held = _verify(ways, leader, session, broadcast_log, progress)
+    held = _verify(ways, leader, session, measured.broadcast_log, progress)
     bar.close()
     engine_stats = leader.stop(GROUP_TIMEOUT) if leader is not None else []
     for control in controls:
         control.close()
-    memory.update(
+    measured.memory.update(
         transfer_buffers_bytes=session.buffer_bytes, largest_group_bytes=session.largest_group_bytes,
         bucket_bytes=opts.bucket_bytes, broadcast_flat_bytes=leader.flat_buffer_bytes if leader else 0,
     )
     p2p = next((w for w in ways if isinstance(w, P2PWay)), None)
     mine: dict[str, Any] = {
-        "memory": memory, "phases": phases, "sent": sent,
+        "memory": measured.memory, "phases": measured.phases, "sent": measured.sent,
         "write_intervals": p2p.write_intervals[opts.warmup:rounds] if p2p else [],
     }
     everyone: list[Any] = [None] * opts.trainers
@@ -195,8 +182,8 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
         results.put({
             "setup": _setup(opts, list(specs.values()), transport, ways),
             "ways": [{"name": w.name, **w.to_json()} for w in ways],
-            "gathers_of": gathers, "seconds": seconds, "per_rank": everyone, "held": held,
-            "engine_stats": engine_stats, "broadcast_log": broadcast_log,
+            "gathers_of": gathers, "seconds": measured.seconds, "per_rank": everyone, "held": held,
+            "engine_stats": engine_stats, "broadcast_log": measured.broadcast_log,
             "members": [engines.member(opts, i) for i in range(members)],
             "p2p_rank_bytes": _rank_bytes(p2p.reports[rounds - 1]) if p2p else {},
             "payload": sum(broadcast.flat_bytes(s) for s in leader.packed) if leader else 0,
@@ -227,14 +214,33 @@ def _setup(opts: BenchOptions, specs: list[ParamSpec], transport: dict[str, Any]
     }
 
 
-def _remember_memory(memory: dict[str, int], step: str, first: bool, before: int) -> None:
-    """RSS a step added: at its peak on its first run and on the worst later one, and what
-    its first run left resident beyond free heap pages."""
-    key = f"{step}_{'first' if first else 'later'}_added_bytes"
-    memory[key] = max(memory.get(key, 0), rss.peak() - before)
-    if first:
-        rss.trim()
-        memory[f"{step}_first_kept_bytes"] = rss.now() - before
+class Rounds:
+    """What one trainer rank measured over the timed rounds: seconds of every step (ways and
+    gathers alone), each way's phases and bytes sent, the RSS each step added, and which way
+    each broadcast update belonged to (the engines count every one; "" when untimed)."""
+
+    def __init__(self, ways: list[Way], gather_steps: list[str]) -> None:
+        self.seconds: dict[str, list[float]] = {name: [] for name in [w.name for w in ways] + gather_steps}
+        self.phases: dict[str, list[dict[str, float]]] = {w.name: [] for w in ways}
+        self.sent: dict[str, list[int]] = {w.name: [] for w in ways}
+        self.memory: dict[str, int] = {}
+        self.broadcast_log: list[str] = []
+
+    def record(self, step: str, took: float, way: Way | None, *, first: bool, timed: bool, rss_before: int) -> None:
+        """One step's result. RSS: what it added at its peak on its first run and on the worst
+        later one, and what its first run left resident beyond free heap pages."""
+        key = f"{step}_{'first' if first else 'later'}_added_bytes"
+        self.memory[key] = max(self.memory.get(key, 0), rss.peak() - rss_before)
+        if first:
+            rss.trim()
+            self.memory[f"{step}_first_kept_bytes"] = rss.now() - rss_before
+        if isinstance(way, BroadcastWay):
+            self.broadcast_log.append(step if timed else "")
+        if timed:
+            self.seconds[step].append(took)
+            if way is not None:
+                self.phases[step].append(way.phase_seconds)
+                self.sent[step].append(way.sent_bytes)
 
 
 def _verify(

@@ -176,7 +176,8 @@ def make_ways(
     available: dict[str, Callable[[], Way]] = {
         "p2p": lambda: P2PWay(session),
         "broadcast": lambda: BroadcastWay(
-            "broadcast", "broadcast, gathers cast to the engines' dtype, overlapped with the broadcasts", source,
+            "broadcast", "broadcast, gathers in the engines' dtype (cast before the all-gather), overlapped with the "
+            "broadcasts", source,
             buckets, leader, engine_dtype, controls, reference=engine_dtype is None,
         ),
     }
