@@ -51,8 +51,7 @@ def transport_loopback(name: str, nbytes: int, chunk_bytes: int = 16 << 20, repe
 
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.zeros(nbytes, dtype=torch.uint8)
-    cls = registry().transport(name)
-    receiver, sender = cls(), cls()
+    receiver, sender = registry().make_transport(name), registry().make_transport(name)
     peer = None
     try:
         info = receiver.expose([dst])

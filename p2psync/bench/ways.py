@@ -119,13 +119,14 @@ class BroadcastWay(Way):
     def __init__(
         self, name: str, description: str, source: TrainerSource, buckets: list[list[str]],
         leader: broadcast.Leader | None, gather_dtype: str | None, controls: Sequence[EngineControl] = (),
-        reference: bool = False,
+        lease: float = 600.0, reference: bool = False,
     ) -> None:
         self.name, self.description, self.reference = name, description, reference
         self.source = source
         self.buckets = buckets
         self.leader = leader
         self.controls = controls
+        self.lease = lease  # seconds an engine stays paused for an update that does not finish
         self._updates = 0
         self.casts = {n: gather_dtype for b in buckets for n in b} if gather_dtype else {}
         self._clock = PhaseClock()
@@ -141,14 +142,15 @@ class BroadcastWay(Way):
         start = time.monotonic()
         self._clock = PhaseClock()
         if self.leader is not None:
+            self._updates += 1
+            version = f"{self.name}-{self._updates}"
             for control in self.controls:
-                control.pause()
+                control.pause(version, self.lease)
             self._clock.lap("pause")
             self.leader.send(self._gather, self._clock, progress)
             self._sent = self.leader.sent_bytes
-            self._updates += 1
             for control in self.controls:
-                control.finish(f"{self.name}-{self._updates}")
+                control.finish(version)
             self._clock.lap("finish")
         else:
             broadcast.follow(self._gather, self.buckets, progress)
@@ -178,13 +180,13 @@ def make_ways(
         "broadcast": lambda: BroadcastWay(
             "broadcast", "broadcast, gathers in the engines' dtype (cast before the all-gather), overlapped with the "
             "broadcasts", source,
-            buckets, leader, engine_dtype, controls, reference=engine_dtype is None,
+            buckets, leader, engine_dtype, controls, session.update_lease, reference=engine_dtype is None,
         ),
     }
     if engine_dtype is not None:
         available["broadcast-fp32"] = lambda: BroadcastWay(
             "broadcast-fp32", "broadcast, gathers in the trainer's dtype then cast (verl's FSDP path)", source,
-            buckets, leader, None, controls, reference=True,
+            buckets, leader, None, controls, session.update_lease, reference=True,
         )
     unknown = [n for n in names if n not in available]
     if unknown:
