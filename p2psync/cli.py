@@ -60,15 +60,21 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import json
 
-    from .bench import BenchOptions, format_report, run_bench
+    from .bench import BenchOptions, format_report, run_bench, save
 
     opts = BenchOptions(
         size=args.size or ("100m" if args.engine == "torch" else "moe"), trainers=args.trainers, engines=args.engines,
         updates=args.updates, warmup=args.warmup, transport=args.transport, raw_bytes=args.raw_mib << 20,
-        engine=args.engine, engine_tp=args.engine_tp,
+        engine=args.engine, engine_tp=args.engine_tp, ways=tuple(args.ways or ()),
     )
-    result = run_bench(opts)
+    try:
+        result = run_bench(opts)
+    except ValueError as exc:
+        print(f"p2psync bench: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(result, indent=2) if args.json else format_report(result))
+    if args.save:
+        print(f"saved to {save(result, args.save)}", file=sys.stderr)
     return 0 if all(way["verified"] for way in result["ways"].values()) else 1
 
 
@@ -88,27 +94,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.set_defaults(func=_demo)
     from .bench.engines import KINDS
     from .bench.model import MOE_CONFIGS
+    from .bench.ways import WAYS
     from .demo import CONFIGS
 
-    bench = sub.add_parser("bench", help="p2psync vs the torch.distributed broadcast path on this machine, timed")
+    bench = sub.add_parser("bench", help="p2psync against the best torch.distributed broadcast, on this machine")
     bench.add_argument(
         "--engine", default="torch", choices=KINDS,
-        help="engine ranks: torch (default: the demo's dense Qwen3, full tensors per engine) or sglang "
-        "(sglang's own TP ranks of a Qwen3-MoE in bfloat16; needs sglang 0.5.23 installed)",
+        help="engine ranks: torch (default: the demo's dense Qwen3, full tensors per engine), sglang or vllm "
+        "(the engine's own TP ranks of a Qwen3-MoE in bfloat16; needs sglang 0.5.23 or vllm 0.33.0 installed)",
     )
-    bench.add_argument("--engine-tp", type=int, default=2, help="TP ranks per sglang engine (default 2)")
+    bench.add_argument("--engine-tp", type=int, default=2, help="TP ranks per sglang or vLLM engine (default 2)")
     bench.add_argument(
         "--size", choices=sorted(CONFIGS) + sorted(MOE_CONFIGS),
         help=f"model size: {', '.join(sorted(CONFIGS))} for torch engines (default 100m), "
-        f"{', '.join(sorted(MOE_CONFIGS))} (Qwen3-MoE) for sglang (default moe)",
+        f"{', '.join(sorted(MOE_CONFIGS))} (Qwen3-MoE) for sglang and vllm (default moe)",
     )
     bench.add_argument("--trainers", type=int, default=2)
     bench.add_argument("--engines", type=int, default=2)
     bench.add_argument("--updates", type=int, default=3, help="timed updates per way (the median is reported)")
     bench.add_argument("--warmup", type=int, default=1, help="untimed updates per way before them")
+    bench.add_argument("--ways", nargs="+", choices=WAYS,
+                       help="the ways to compare (default: every way the engines offer)")
     bench.add_argument("--transport", default="mooncake")
     bench.add_argument("--raw-mib", type=int, default=512, help="size of the memcpy and raw transport measurements")
     bench.add_argument("--json", action="store_true", help="print the result as JSON")
+    bench.add_argument("--save", nargs="?", const="benchmarks/results", metavar="DIR",
+                       help="also write the result as JSON into DIR (default benchmarks/results)")
     bench.set_defaults(func=_bench)
     from .planner.command import add_arguments as _plan_arguments, run as _plan
 

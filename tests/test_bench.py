@@ -1,8 +1,14 @@
-"""`p2psync bench` on the tiny model: both ways measured, and the broadcast baseline real."""
+"""`p2psync bench`: every way measured and verified against the engines' own load, bytes
+measured, each way's time split and bound, results kept as JSON.
+
+Runs in tox env py (torch engines); the sglang and vLLM engine benches run in
+conformance-sglang and conformance-vllm."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -12,66 +18,135 @@ pytest.importorskip("mooncake.engine", reason="the bench's default transport nee
 from p2psync.cli import main  # noqa: E402
 
 
-@pytest.mark.slow
-def test_bench_json_has_both_ways_and_a_delivered_baseline(capsys):
-    assert main(["bench", "--size", "tiny", "--updates", "1", "--raw-mib", "16", "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
+def _run(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    assert main(["bench", *args, "--updates", "1", "--raw-mib", "16", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
 
-    assert set(result["ways"]) == {"p2p", "broadcast"}
+
+def _check_common(result: dict[str, Any], ways: set[str]) -> None:
+    """What every run must show: every way verified, its time split, its bound, the ratios,
+    the machine before and after."""
+    assert set(result["ways"]) == ways
     for name, way in result["ways"].items():
-        assert way["verified"], (name, way["mismatches"])  # engines hold the trainer's bytes after this way
-        assert way["seconds"] > 0 and way["gbps"] > 0 and len(way["seconds_all"]) == 1, name
-        assert set(way["bytes_per_engine_rank"]) == {"engine-0/0", "engine-1/0"}, name
-        assert all(n == result["model"]["bytes"] for n in way["bytes_per_engine_rank"].values()), name
-        assert sum(way["bytes_per_sender"].values()) == 2 * result["model"]["bytes"], name
-    assert all(n > 0 for n in result["ways"]["p2p"]["bytes_per_sender"].values())  # both trainer ranks send
-    assert result["ratio_broadcast_over_p2p"] > 0
-    for limit in ("memcpy", "raw_transport"):
-        assert result["limits"][limit]["gbps"] > 0, limit
-    assert len(result["p2p_writing_seconds"]) == 1 and result["p2p_transfer_gbps"] > 0
-    memory = result["trainer_memory"]
-    assert set(memory) == {"trainer-0", "trainer-1"}
-    for trainer, m in memory.items():
-        assert m["p2p_first_added_bytes"] > 0, trainer
-        assert m["transfer_buffers_bytes"] > 0 and m["largest_group_bytes"] > 0, trainer
+        assert way["verified"], (name, way["mismatches"])
+        assert way["seconds"] > 0 and len(way["seconds_all"]) == 1, name
+        phases = way["phases"]["trainer-0"]
+        assert "gather" in phases and sum(phases.values()) <= way["seconds"] * 1.05 + 0.01, (name, phases)
+        assert way["bound_seconds"] == max(way["gathers_alone_seconds"], way["wire_seconds_at_raw"]), name
+        assert way["over_bound"] == pytest.approx(way["seconds"] / way["bound_seconds"]), name
+    assert set(result["ratios"]) == {f"{w}/p2p" for w in ways - {"p2p"}}
+    for when in ("limits", "limits_after"):
+        assert len(result[when]["load_average"]) == 3
+        assert result[when]["raw_transport"]["gbps"] > 0 and result[when]["raw_gloo"]["gbps"] > 0
+    assert result["machine"]["cores"] > 0 and "torch" in result["versions"]
+
+
+def _check_broadcast_bytes(way: dict[str, Any], receivers: int) -> None:
+    """The bytes the broadcast's members measured sending add up to every receiver getting the
+    payload once (gloo's tree: relays send what the trainer does not), beside a little for the
+    commands."""
+    payload = next(iter(way["bytes_per_engine_rank"].values()))
+    assert set(way["bytes_per_engine_rank"].values()) == {payload}
+    sent = sum(way["bytes_per_sender"].values())
+    assert receivers * payload <= sent <= receivers * payload * 1.01 + (1 << 16)
+
+
+@pytest.mark.slow
+def test_bench_torch_engines_both_ways_measured_and_saved(capsys, tmp_path):
+    """Torch engines (float32, full tensors): p2psync and the broadcast both deliver the model
+    to every engine, the broadcast's bytes measured, and --save keeps everything as JSON."""
+    args = ["bench", "--size", "tiny", "--updates", "1", "--raw-mib", "16", "--json", "--save", str(tmp_path)]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    _check_common(result, {"p2p", "broadcast"})
+    model_bytes = result["setup"]["model"]["bytes"]
+    p2p, broadcast = result["ways"]["p2p"], result["ways"]["broadcast"]
+    assert p2p["bytes_per_engine_rank"] == {"engine-0/0": model_bytes, "engine-1/0": model_bytes}
+    assert sum(p2p["bytes_per_sender"].values()) == 2 * model_bytes and all(p2p["bytes_per_sender"].values())
+    assert broadcast["reference"] and broadcast["gathers_step"] == p2p["gathers_step"]  # float32 both
+    _check_broadcast_bytes(broadcast, receivers=2)
+    _check_memory_bound(result)
+    saved = list(tmp_path.glob("*-torch-tiny.json"))
+    assert len(saved) == 1 and json.loads(saved[0].read_text()) == result
 
 
 @pytest.mark.slow
 def test_bench_sglang_engine_ranks_receive_their_shard_only(capsys):
-    """sglang TP 2 ranks of a Qwen3-MoE: with p2psync each rank receives exactly the bytes
-    of its own parameters (its shard, in bfloat16); the broadcast path sends every rank
-    the full tensors. Both leave every rank holding the same bytes."""
+    """sglang TP 2 ranks of a Qwen3-MoE: with p2psync each rank receives exactly the bytes of
+    its own parameters (its shard, in bfloat16); both broadcasts send every rank the full
+    tensors. Every way leaves every rank holding the bytes of sglang's own load of the
+    trainer's float32 tensors (the verl-style broadcast); the fair broadcast gathers in
+    bfloat16 as p2psync does."""
     pytest.importorskip("sglang", reason="the sglang engine bench needs sglang")
+    result = _run(capsys, "--engine", "sglang", "--size", "moe-tiny")
+    _check_engine_bench(result, "sglang", _shard_bytes("sglang"))
+
+
+@pytest.mark.slow
+def test_bench_vllm_engine_ranks_receive_their_shard_only(capsys):
+    """The same with vLLM's own TP 2 ranks of the Qwen3-MoE."""
+    pytest.importorskip("vllm", reason="the vLLM engine bench needs vLLM")
+    result = _run(capsys, "--engine", "vllm", "--size", "moe-tiny")
+    _check_engine_bench(result, "vllm", _shard_bytes("vllm"))
+
+
+def _check_engine_bench(result: dict[str, Any], kind: str, shards: dict[int, int]) -> None:
     from p2psync.bench.model import hf_shapes
     from p2psync.core.types import numel
 
-    assert main(["bench", "--engine", "sglang", "--size", "moe-tiny", "--updates", "1", "--raw-mib", "16", "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
-
+    _check_common(result, {"p2p", "broadcast", "broadcast-fp32"})
+    ranks = {f"{kind}-{e}/{r}" for e in range(2) for r in range(2)}
+    ways = result["ways"]
+    assert ways["broadcast-fp32"]["reference"]
     full_bf16 = sum(2 * numel(shape) for shape in hf_shapes("moe-tiny").values())
-    ranks = {f"sglang-{e}/{r}" for e in range(2) for r in range(2)}
-    p2p, broadcast = result["ways"]["p2p"], result["ways"]["broadcast"]
-    assert p2p["verified"] and broadcast["verified"], (p2p["mismatches"], broadcast["mismatches"])
-    assert set(p2p["bytes_per_engine_rank"]) == set(broadcast["bytes_per_engine_rank"]) == ranks
-    assert all(n == full_bf16 for n in broadcast["bytes_per_engine_rank"].values())
-    shards = _shard_bytes()
+    for name in ("broadcast", "broadcast-fp32"):
+        assert set(ways[name]["bytes_per_engine_rank"]) == ranks
+        assert all(n >= full_bf16 for n in ways[name]["bytes_per_engine_rank"].values())
+        _check_broadcast_bytes(ways[name], receivers=4)
+    p2p = ways["p2p"]
     for name, n in p2p["bytes_per_engine_rank"].items():
         assert n == shards[int(name[-1])], name  # what the rank holds, not the full tensors
         assert n < 0.6 * full_bf16, name
     assert sum(p2p["bytes_per_sender"].values()) == sum(p2p["bytes_per_engine_rank"].values())
+    # p2psync and the fair broadcast gather in bfloat16, the verl-style broadcast in float32
+    assert ways["broadcast"]["gathers_step"] == p2p["gathers_step"] != ways["broadcast-fp32"]["gathers_step"]
+    _check_memory_bound(result)
+
+
+def _check_memory_bound(result: dict[str, Any]) -> None:
+    """From the first update on, p2psync adds to a trainer rank's RSS at most its transfer
+    buffers, its largest parameter group and one bucket's gathers (measured alone), beside
+    2 MiB of the interpreter's own objects."""
     for trainer, m in result["trainer_memory"].items():
-        bound = m["transfer_buffers_bytes"] + m["largest_group_bytes"] + m["bucket_bytes"]
-        assert 0 < m["p2p_first_added_bytes"] <= bound, trainer
+        bound = m["transfer_buffers_bytes"] + m["largest_group_bytes"] + m["gathers_peak_bytes"] + (2 << 20)
+        assert m["p2p_bound_bytes"] == bound and m["gathers_peak_bytes"] > 0, trainer
+        assert 0 < m["p2p_first_added_bytes"] <= bound and m["p2p_later_added_bytes"] <= bound, trainer
 
 
-def _shard_bytes() -> dict[int, int]:
-    """Bytes of each TP rank's parameters in sglang's own model of it (bfloat16, on meta)."""
-    from p2psync.adapters.sglang.shim import RankSpec, build_rank_model
+def _shard_bytes(kind: str) -> dict[int, int]:
+    """Bytes of each TP rank's parameters in the engine's own model of it (bfloat16, on meta)."""
     from p2psync.bench.model import hf_config
+    from p2psync.core.types import ParamSpec
 
-    return {
-        rank: sum(p.numel() * p.element_size() for p in build_rank_model(
-            RankSpec(hf_config("moe-tiny"), 2, 1, "bfloat16", rank), "meta"
-        ).model.parameters())
-        for rank in range(2)
-    }
+    if kind == "sglang":
+        from p2psync.adapters.sglang import rank_params
+    else:
+        from p2psync.adapters.vllm import rank_params
+    return {rank: sum(ParamSpec(*p).nbytes for p in rank_params(hf_config("moe-tiny"), tp=2, rank=rank))
+            for rank in range(2)}
+
+
+def test_unknown_way_is_refused_before_anything_starts(capsys):
+    assert main(["bench", "--size", "tiny", "--ways", "p2p", "broadcast-fp32"]) == 2
+    assert "broadcast-fp32" in capsys.readouterr().err  # torch engines hold float32: no such way
+
+
+def test_benchmarks_readme_tables_are_generated_from_the_saved_results():
+    """benchmarks/README.md's tables are what benchmarks/tables.py makes of benchmarks/results/*.json."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "tables.py"), "--check"], capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stdout + done.stderr

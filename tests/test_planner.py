@@ -69,7 +69,7 @@ def test_tp_beyond_kv_heads_replicates_kv_and_experts_split_inside_when_ep_below
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_match_published_parameter_counts(name: str) -> None:
-    s = analytic_shapes(preset(name), 8, 8, "bf16")
+    s = analytic_shapes(preset(name), 4, 4, "bf16")  # TP 4: GLM-4.7-Flash's 20 heads do not split 8 ways
     assert abs(s.numel_total / PUBLISHED_PARAMS[name] - 1) < 0.02
 
 
@@ -154,16 +154,59 @@ def test_png_draws_or_says_what_to_install(capsys: pytest.CaptureFixture[str], t
         assert rc == 0 and png.stat().st_size > 0
 
 
-def test_compare_miles_predictions(capsys: pytest.CaptureFixture[str]) -> None:
-    from p2psync.planner.miles import compare
+def test_compare_miles_prints_every_published_row_with_its_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from p2psync.planner.compare import compare
+    from p2psync.planner.setups import SETUPS
 
     rows = compare(shapes="analytic")
-    assert [r["nodes"] for r in rows] == [2, 4, 8, 32]
-    assert all(r["predicted_broadcast_s"] > r["predicted_p2p_s"] for r in rows)
-    assert rows[-1]["predicted_ratio"] > rows[0]["predicted_ratio"]  # the gap grows with scale, as published
+    miles = [r for r in rows if r["group"] == "miles"]
+    assert len(miles) == 12  # 6 rows of miles' table, broadcast and P2P each: every row modelled
+    assert {r["setup"] for r in rows} == {s.name for s in SETUPS}
+    assert {"Perplexity Kimi-K2", "vLLM sharded_rdt Qwen3-235B", "NeMo-RL DeepSeek-V3"} <= {r["setup"] for r in rows}
+    for r in rows:
+        middle = sum(r["published_s"]) / 2
+        assert r["error"] == pytest.approx(r["predicted_s"] / middle - 1)
+    broadcast = [r for r in miles if r["published_way"] == "broadcast"]
+    assert all(r["all_ways_s"]["broadcast"] > r["all_ways_s"]["p2psync"] > r["all_ways_s"]["gather-free"] for r in rows)
+    assert broadcast[-1]["predicted_s"] > 5 * broadcast[0]["predicted_s"]  # the broadcast's cost grows with scale
     assert main(["plan", "--compare-miles", "--shapes", "analytic"]) == 0
     out = capsys.readouterr().out
-    assert "PREDICTED" in out and "7.2" in out and "1.3" in out
+    assert "PREDICTED" in out and "| miles GLM-5 |" in out and "| Perplexity Kimi-K2 |" in out
+    assert out.count("%") >= len(rows)  # an error per row
+
+
+def test_whole_update_by_hand() -> None:
+    """Gathers from the trainer parallelism, production, wire and control add up as the model says."""
+    from p2psync.planner.update import Costs, whole_update
+
+    c = Cluster(train_ranks=16, train_tp=4, train_ep=16, engines=2, engine_tp=2, engine_ep=2, nic_gbps=400,
+                nvlink_gbytes=100)
+    engine, trainer = analytic_shapes(SMALL, 2, 2, "bf16"), analytic_shapes(SMALL, 1, 1, "bf16")
+    p = predict(c, engine)
+    costs = Costs(produce_gbytes=10, pause_s=0.5, finish_s=0.25)
+    u = whole_update(p, trainer, costs)
+    held, experts = trainer.full_bytes(range(2), True, True)[0], trainer.full_expert_bytes(range(2), True, True)
+    assert experts == 8 * (2 * 32 * 64 + 64 * 32) * 2  # 8 experts of layer 1, bf16
+    # dense over TP 4 inside a node (NVLink 100 GB/s); experts over EP 16, two nodes: the GPU's NIC share, 50 GB/s
+    gathers = 3 / 4 * (held - experts) / 100e9 + 15 / 16 * experts / 50e9
+    ways = u["ways"]
+    assert ways["p2psync"]["gathers_s"] == pytest.approx(gathers)
+    assert ways["p2psync"]["production_s"] == pytest.approx(max(p.sender_bytes.values()) / 10e9)
+    assert ways["p2psync"]["post_load_s"] == 0  # bf16 engines: no post-load by default
+    assert ways["p2psync"]["total_s"] == pytest.approx(
+        0.75 + max(gathers, ways["p2psync"]["production_s"], p.p2p_s))
+    assert ways["broadcast"]["total_s"] == pytest.approx(
+        0.75 + gathers + ways["broadcast"]["production_s"] + p.broadcast_s)
+    assert ways["gather-free"]["gathers_s"] == 0 and ways["gather-free"]["wire_s"] == p.floor_s
+    fp8 = whole_update(predict(Cluster(train_ranks=2, engines=1, engine_tp=2, engine_dtype="fp8"),
+                               analytic_shapes(SMALL, 2, 1, "fp8")), trainer, Costs())
+    assert fp8["ways"]["p2psync"]["post_load_s"] > 0  # fp8 engines: Kimi-K2's published post-load rate
+
+
+def test_setup_prints_published_beside_predicted(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--setup", "NeMo-RL DeepSeek-V3", "--shapes", "analytic"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted whole update" in out and "published (NeMo-RL nccl_reshard" in out and "7.65-9.94 s" in out
 
 
 def test_sglang_meta_shapes_equal_analytic() -> None:

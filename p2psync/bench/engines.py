@@ -1,10 +1,11 @@
 """The bench's engines and trainer model, per engine kind.
 
-`torch`: one process per engine holding the demo's dense Qwen3 model (the
-identity layout: every engine rank holds full tensors, trainer dtype). `sglang`:
-`engine_tp` processes per engine, each sglang's model of one TP rank of a
-Qwen3-MoE in bfloat16, so that p2psync sends each rank only its shard while the
-broadcast path sends full tensors that each rank's loader slices.
+`torch`: one process per engine holding the demo's dense Qwen3 model (the identity
+layout: every engine rank holds full tensors, trainer dtype). `sglang` and `vllm`:
+`engine_tp` processes per engine, each the engine's own model of one TP rank of a
+Qwen3-MoE in bfloat16 (through the adapter's public `serve_rank`), so that p2psync sends
+each rank only its shard while the broadcast path sends full tensors that each rank's
+own loader slices.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ if TYPE_CHECKING:
     from ..core.rendezvous import Rendezvous
     from .runner import BenchOptions
 
-KINDS = ("torch", "sglang")
+KINDS = ("torch", "sglang", "vllm")
+#: The dtype of the MoE engines' parameters (torch engines hold the trainer's float32).
+MOE_ENGINE_DTYPE = "bfloat16"
 
 
 @dataclass(frozen=True)
@@ -59,9 +62,22 @@ def member(opts: BenchOptions, index: int) -> tuple[str, int]:
     return engine_ids(opts)[index // tp(opts)], index % tp(opts)
 
 
-def broadcast_dtype(opts: BenchOptions) -> str | None:
-    """The dtype the broadcast path sends (the engines'); None: the trainer's own."""
-    return None if opts.engine == "torch" else "bfloat16"
+def engine_dtype(kind: str) -> str | None:
+    """The engines' parameter dtype where it is not the trainer's (None: the trainer's)."""
+    return None if kind == "torch" else MOE_ENGINE_DTYPE
+
+
+def version(kind: str) -> str | None:
+    """The engine library's version (None for torch engines, which are transformers models)."""
+    if kind == "sglang":
+        from ..adapters.sglang import version as sglang_version
+
+        return sglang_version()
+    if kind == "vllm":
+        from ..adapters.vllm import version as vllm_version
+
+        return vllm_version()
+    return None
 
 
 def start_rank(index: int, opts: BenchOptions, port: int) -> EngineRank:
@@ -79,17 +95,21 @@ def start_rank(index: int, opts: BenchOptions, port: int) -> EngineRank:
                 params[name].copy_(tensor)
 
         return EngineRank(endpoint, copy)
-    from ..adapters.sglang.bench_rank import start_rank as start_sglang
     from ..core.logs import configure
     from ..core.rendezvous import Rendezvous
     from .model import hf_config
 
+    if opts.engine == "sglang":
+        from ..adapters.sglang import serve_rank
+    else:
+        from ..adapters.vllm import serve_rank
     engine_id, rank = member(opts, index)
     configure(f"{engine_id} rank {rank}")
     torch.set_num_threads(1)
     rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id=opts.job_id)
-    endpoint, load = start_sglang(
-        hf_config(opts.size), tp(opts), rank, engine_id=engine_id, rendezvous=rendezvous, transport=opts.transport
+    endpoint, load = serve_rank(
+        hf_config(opts.size), tp=tp(opts), rank=rank, engine_id=engine_id, rendezvous=rendezvous,
+        transport=opts.transport, dtype=MOE_ENGINE_DTYPE,
     )
     return EngineRank(endpoint, load)
 

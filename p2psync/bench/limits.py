@@ -1,12 +1,18 @@
-"""The machine's limits, measured in the same run: memcpy and raw Mooncake writes."""
+"""The machine's limits, measured in the same run: memcpy, raw transport writes and a raw
+gloo broadcast, with the load average (other users of a shared machine) at the time."""
 
 from __future__ import annotations
 
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
+
+#: Transports whose both sides can run in one process (the raw measurement's loopback).
+LOOPBACK_TRANSPORTS = ("mooncake", "nixl", "samehost")
 
 
 def _timed(fn: Callable[[], object], repeats: int) -> float:
@@ -33,40 +39,83 @@ def memcpy(nbytes: int, repeats: int = 3) -> dict[str, Any]:
     return _rate(nbytes, _timed(lambda: dst.copy_(src), repeats), threads=torch.get_num_threads())
 
 
-def mooncake_loopback(nbytes: int, chunk_bytes: int = 16 << 20, repeats: int = 3) -> dict[str, Any]:
-    """One batched write of `nbytes` in `chunk_bytes` pieces between two TransferEngines
-    in this process, through the same peer code that p2psync's sessions use."""
+def transport_loopback(name: str, nbytes: int, chunk_bytes: int = 16 << 20, repeats: int = 3) -> dict[str, Any]:
+    """One batched write of `nbytes` in `chunk_bytes` pieces from one instance of the registered
+    transport `name` to another in this process, through the Transport and Peer interfaces
+    that p2psync's sessions use (as an engine would expose its memory and a trainer write)."""
     import torch
 
+    from ..core.plugins import registry
     from ..core.transport import WriteBatch
-    from ..transports.mooncake.transport import MooncakePeer, MooncakeTransport
+    from ..core.types import TargetParam, TargetTable
 
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.zeros(nbytes, dtype=torch.uint8)
-    receiver, sender = MooncakeTransport(), MooncakeTransport()
+    receiver, sender = registry().make_transport(name), registry().make_transport(name)
+    peer = None
     try:
-        session = receiver.expose([dst])["session"]
+        info = receiver.expose([dst])
+        table = TargetTable(
+            engine_id="raw", rank=0, world_size=1, engine="none", layout_key={}, transport=name,
+            transport_info=info, control_url="",
+            params=(TargetParam("raw", (nbytes,), "uint8", dst.data_ptr(), nbytes),),
+        )
         sender.register_buffer(src)
+        peer = sender.open(table)
         batch = WriteBatch()
         for offset in range(0, nbytes, chunk_bytes):
             batch.add(src.data_ptr() + offset, dst.data_ptr() + offset, min(chunk_bytes, nbytes - offset))
-        peer = MooncakePeer(sender.engine, session)
         seconds = _timed(lambda: peer.write(batch, timeout=600), repeats)
         if not torch.equal(src, dst):
-            raise RuntimeError("Mooncake loopback write did not deliver the bytes")
-        return _rate(nbytes, seconds, transport="mooncake", protocol=sender.protocol, chunk_bytes=chunk_bytes)
+            raise RuntimeError(f"{name} loopback write did not deliver the bytes")
+        described = sender.describe()
+        return _rate(nbytes, seconds, transport=name, protocol=described.get("protocol", "-"), chunk_bytes=chunk_bytes)
     finally:
+        if peer is not None:
+            peer.close()
         sender.close()
         receiver.close()
 
 
+def gloo_loopback(nbytes: int, repeats: int = 3) -> dict[str, Any]:
+    """A gloo broadcast of `nbytes` from one member of a two-member group to the other, both in
+    this process (one thread each): the wire the broadcast path uses, alone."""
+    import torch
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    groups: list[Any] = [None, None]
+
+    def join(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=60))
+
+    joiner = threading.Thread(target=join, args=(1,))
+    joiner.start()
+    join(0)
+    joiner.join()
+    tensors = [torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)]
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+
+    def once() -> None:
+        works = [group.broadcast([tensor], opts) for group, tensor in zip(groups, tensors)]
+        for work in works:
+            work.wait()
+
+    seconds = _timed(once, repeats)
+    if not torch.equal(*tensors):
+        raise RuntimeError("gloo loopback broadcast did not deliver the bytes")
+    return _rate(nbytes, seconds, transport="gloo", protocol="tcp")
+
+
 def measure(nbytes: int, transport: str) -> dict[str, Any]:
-    """The 1-minute load average (other users of the machine), memcpy, and the raw
-    transport throughput where the transport is Mooncake (else None)."""
+    """The load averages (1, 5, 15 minutes), memcpy, the raw transport where it can loop back
+    in one process (else None) and the raw gloo broadcast."""
     return {
-        "load_average": os.getloadavg()[0],
+        "load_average": list(os.getloadavg()),
         "memcpy": memcpy(nbytes),
-        "raw_transport": mooncake_loopback(nbytes) if transport == "mooncake" else None,
+        "raw_transport": transport_loopback(transport, nbytes) if transport in LOOPBACK_TRANSPORTS else None,
+        "raw_gloo": gloo_loopback(nbytes),
     }
 
 

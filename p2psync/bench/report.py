@@ -1,45 +1,22 @@
-"""Bench results: one `Way` per sync path, and the text table of a whole run."""
+"""Bench results: what the trainer and engine ranks measured, summarized per way (time and
+where it went, bytes, verification, the way's lower bound on this machine), and the text
+table of a whole run."""
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-
-@dataclass
-class Way:
-    """One sync path, measured: seconds of each timed update, bytes per update sent by each
-    trainer rank and received by each engine rank, and whether the engines held the
-    trainer's bytes afterwards (`mismatches` names the parameters that differed)."""
-
-    seconds_all: list[float]
-    bytes_per_sender: dict[str, int]
-    bytes_per_engine_rank: dict[str, int]
-    mismatches: list[str] = field(default_factory=list)
-
-    @property
-    def seconds(self) -> float:
-        return statistics.median(self.seconds_all)
-
-    @property
-    def gbps(self) -> float:
-        """Bytes received by all engine ranks per second of update."""
-        return sum(self.bytes_per_engine_rank.values()) / self.seconds / 1e9
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "seconds": self.seconds,
-            "seconds_all": self.seconds_all,
-            "bytes_per_sender": self.bytes_per_sender,
-            "bytes_per_engine_rank": self.bytes_per_engine_rank,
-            "gbps": self.gbps,
-            "verified": not self.mismatches,
-            "mismatches": self.mismatches[:10],
-        }
+#: What an update's own Python objects (reports, lists, pymalloc's 1 MiB arenas) may add to RSS, beside its
+#: buffers and tensors: measured 0.3-1 MB on the tiny model, where nothing else is large.
+INTERPRETER_BYTES = 2 << 20
+#: Phases of each way's update, in the order they happen (see `Session.phase_seconds`, `broadcast.Leader.send`,
+#: `ways.BroadcastWay.update`).
+PHASES = ("pause", "command", "gather", "produce", "buffer_wait", "drain", "engine_load", "verify", "finish")
 
 
-def writing_seconds(intervals: list[tuple[float, float]]) -> float:
+def writing_seconds(intervals: Sequence[tuple[float, float]]) -> float:
     """How long at least one of `intervals` (writes of all senders, one clock) was running."""
     total, end = 0.0, float("-inf")
     for start, stop in sorted(intervals):
@@ -49,100 +26,225 @@ def writing_seconds(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def summary(
-    setup: dict[str, Any], ways: dict[str, Way], limits: dict[str, Any], limits_after: dict[str, Any]
-) -> dict[str, Any]:
-    """The JSON result of a run. p2psync's transfer phase is the time any of its writes was
-    running (they overlap the gathers), its throughput all bytes over that time; it is
-    compared with the mean of the raw throughput measured before and after the syncs."""
-    p2p, broadcast = ways["p2p"], ways["broadcast"]
-    raws = [m["raw_transport"]["gbps"] for m in (limits, limits_after) if m["raw_transport"]]
-    raw = statistics.mean(raws) if raws else None
-    writing = statistics.median(setup["p2p_writing_seconds"])
-    transfer = sum(p2p.bytes_per_engine_rank.values()) / writing / 1e9
+def _median_phases(updates: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    names = [p for p in PHASES if any(p in u for u in updates)] + sorted({p for u in updates for p in u} - set(PHASES))
+    return {p: statistics.median(u.get(p, 0.0) for u in updates) for p in names}
+
+
+def _raw(limits: Sequence[Mapping[str, Any]], key: str) -> float | None:
+    """Mean of a raw rate measured before and after the syncs (GB/s), or None."""
+    rates = [m[key]["gbps"] for m in limits if m.get(key)]
+    return statistics.mean(rates) if rates else None
+
+
+def _mismatches(expected: Mapping[str, str], got: Mapping[str, str]) -> list[str]:
+    return sorted(k for k in expected.keys() | got.keys() if expected.get(k) != got.get(k))
+
+
+def summary(raw: Mapping[str, Any], limits: Mapping[str, Any], limits_after: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON result of a run from what trainer rank 0 collected (`raw`) and the machine's
+    limits measured before and after. Per way: median seconds (and each update's), where
+    rank 0's time went, bytes sent and received (measured or counted, said which), whether
+    the engines held the reference's bytes, and its lower bound on this machine: the larger
+    of its gathers alone and its bytes on the wire at the raw rate of its transport."""
+    seconds, per_rank = raw["seconds"], raw["per_rank"]
+    members = [f"{engine}/{rank}" for engine, rank in raw["members"]]
+    reference = next((w["name"] for w in raw["ways"] if w["reference"]), None)
+    held = raw["held"]
+    ways: dict[str, Any] = {}
+    for spec in raw["ways"]:
+        name = spec["name"]
+        times = seconds[name]
+        gathers = raw["gathers_of"][name]
+        way: dict[str, Any] = {
+            "description": spec["description"], "seconds": statistics.median(times), "seconds_all": times,
+            "phases": {f"trainer-{r}": _median_phases(rank["phases"][name]) for r, rank in enumerate(per_rank)},
+            "gathers_alone_seconds": statistics.median(seconds[gathers]), "gathers_step": gathers,
+        }
+        if name == "p2p":
+            way.update(_p2p_bytes(raw, per_rank))
+            writing = [writing_seconds([i for rank in per_rank for i in rank["write_intervals"][k]])
+                       for k in range(len(times))]
+            way["writing_seconds"] = statistics.median(writing)
+            way["writing_seconds_all"] = writing
+            raw_key = "raw_transport"
+        else:
+            way.update(_broadcast_bytes(raw, name, members, per_rank))
+            raw_key = "raw_gloo"
+        rate = _raw([limits, limits_after], raw_key)
+        way["received_total"] = sum(way["bytes_per_engine_rank"].values())
+        way["gbps"] = way["received_total"] / way["seconds"] / 1e9
+        way["wire_bytes"] = sum(way["bytes_per_sender"].values())
+        way["raw_gbps"] = rate
+        way["wire_seconds_at_raw"] = way["wire_bytes"] / rate / 1e9 if rate else None
+        way["bound_seconds"] = max(way["gathers_alone_seconds"], way["wire_seconds_at_raw"] or 0.0)
+        way["over_bound"] = way["seconds"] / way["bound_seconds"]
+        if reference is None or name not in held or reference not in held:
+            way["verified_by"] = "p2psync's digest check" if name == "p2p" else "not compared (no reference way ran)"
+            way["mismatches"] = []
+        elif name == reference:
+            way["verified_by"] = "the reference: the engines' own loaders made these bytes"
+            way["mismatches"] = []
+        else:
+            way["verified_by"] = f"every parameter of every engine rank equal to after {reference!r}"
+            way["mismatches"] = _mismatches(held[reference], held[name])[:10]
+        way["verified"] = not way["mismatches"]
+        way["reference"] = name == reference
+        ways[name] = way
     return {
-        **setup,
-        "ways": {name: way.to_json() for name, way in ways.items()},
-        "ratio_broadcast_over_p2p": broadcast.seconds / p2p.seconds,
-        # each round's broadcast over the same round's p2psync update: the spread of the ratio
-        "ratio_per_round": [b / p for p, b in zip(p2p.seconds_all, broadcast.seconds_all)],
+        "setup": raw["setup"],
+        "ways": ways,
+        "gathers": {step: {"seconds": statistics.median(seconds[step]), "seconds_all": seconds[step]}
+                    for step in sorted(set(raw["gathers_of"].values()))},
+        "ratios": _ratios(ways),
+        "trainer_memory": {f"trainer-{r}": trainer_memory(rank["memory"], raw["gathers_of"].get("p2p"))
+                           for r, rank in enumerate(per_rank)},
         "limits": limits,
         "limits_after": limits_after,
-        "raw_transport_gbps": raw,
-        "p2p_over_raw_transport": p2p.gbps / raw if raw else None,
-        "p2p_transfer_gbps": transfer,
-        "p2p_transfer_over_raw_transport": transfer / raw if raw else None,
     }
 
 
-def _bytes(n: int) -> str:
+def _p2p_bytes(raw: Mapping[str, Any], per_rank: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    sent = {f"trainer-{r}": statistics.median(rank["sent"]["p2p"]) for r, rank in enumerate(per_rank)}
+    return {
+        "bytes_per_sender": sent, "bytes_per_engine_rank": dict(raw["p2p_rank_bytes"]),
+        "bytes_how": "counted by p2psync's writers: the bytes of every write that completed",
+    }
+
+
+def _broadcast_bytes(
+    raw: Mapping[str, Any], name: str, members: Sequence[str], per_rank: Sequence[Mapping[str, Any]]
+) -> dict[str, Any]:
+    """Sent: what each member's broadcast-group threads wrote to their sockets in this way's timed
+    updates (median), relays included; received: the payload each engine rank received."""
+    timed = [i for i, way in enumerate(raw["broadcast_log"]) if way == name]
+    payload = raw["payload"]
+    sent = {"trainer-0": statistics.median(per_rank[0]["sent"][name])}
+    sent.update({f"trainer-{r}": 0 for r in range(1, len(per_rank))})
+    for member, stats in zip(members, raw["engine_stats"]):
+        relayed = statistics.median(stats["sent_bytes"][i] for i in timed)
+        if relayed > payload // 100:  # not just the commands' bytes
+            sent[f"{member} (relay)"] = relayed
+    load = [max(stats["load_seconds"][i] for stats in raw["engine_stats"]) for i in timed]
+    return {
+        "bytes_per_sender": sent, "bytes_per_engine_rank": dict.fromkeys(members, payload),
+        "bytes_how": "sent: measured, what each member's gloo threads wrote to sockets (/proc per-thread wchar); "
+                     "received: the flat buffers each engine rank received",
+        "engine_load_seconds": statistics.median(load),
+    }
+
+
+def _ratios(ways: Mapping[str, Any]) -> dict[str, Any]:
+    """Each other way's seconds over p2psync's: of the medians, and round by round."""
+    if "p2p" not in ways:
+        return {}
+    p2p = ways["p2p"]
+    return {
+        f"{name}/p2p": {
+            "of_medians": way["seconds"] / p2p["seconds"],
+            "per_round": [b / p for p, b in zip(p2p["seconds_all"], way["seconds_all"])],
+        }
+        for name, way in ways.items() if name != "p2p"
+    }
+
+
+def _mb(n: float) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
-def format_report(result: dict[str, Any]) -> str:
-    """The run as a table, one row per way, then the machine's limits."""
-    model, engine = result["model"], result["engine"]
+def trainer_memory(memory: Mapping[str, int], gathers: str | None) -> dict[str, Any]:
+    """One trainer rank's memory figures, with p2psync's bound: what an update may add to the
+    rank's RSS, from the first update on, is its two transfer buffers (their pages are first
+    touched then), its largest parameter group, and one bucket's gathers as the trainer does
+    them (`gathers`: that step, timed alone in the same run; FSDP2 over gloo holds the
+    gathered bucket, gloo's flat copy of it and the padded shards at once), beside
+    `INTERPRETER_BYTES` of the interpreter's own."""
+    out: dict[str, Any] = dict(memory)
+    if gathers is None or "p2p_first_added_bytes" not in memory:
+        return out
+    peak = max(memory.get(f"{gathers}_first_added_bytes", 0), memory.get(f"{gathers}_later_added_bytes", 0))
+    out["gathers_peak_bytes"] = peak
+    out["interpreter_bytes"] = INTERPRETER_BYTES
+    out["p2p_bound_bytes"] = memory["transfer_buffers_bytes"] + memory["largest_group_bytes"] + peak + INTERPRETER_BYTES
+    out["p2p_within_bound"] = max(memory["p2p_first_added_bytes"], memory.get("p2p_later_added_bytes", 0)) <= out[
+        "p2p_bound_bytes"]
+    return out
+
+
+def format_report(result: Mapping[str, Any]) -> str:
+    """The run as text: setup, one row per way, where each way's time went and its bound,
+    ratios, trainer memory, the machine."""
+    s = result["setup"]
+    model, engine = s["model"], s["engine"]
+    load = [m["load_average"][0] for m in (result["limits"], result["limits_after"])]
     lines = [
-        (
-            f"model {model['size']}: {model['parameters']:,} parameters, {_bytes(model['bytes'])} ({model['dtype']}); "
-            f"{result['trainers']} FSDP2 trainer ranks -> {result['engines']} {engine['kind']} engines "
-            f"({engine['tp']} rank{'s' if engine['tp'] > 1 else ''} each, {engine['dtype']} dtype); "
-            f"transport {result['transport']['name']} ({result['transport']['protocol']}); "
-            f"median of {result['updates']} updates after {result['warmup']} warm-up"
-        ),
-        (
-            f"  {'way':<10} {'s/update':>9} {'(min-max)':>13} {'GB/s':>6}  {'sent per sender':<36} "
-            f"{'received per engine rank':<36} verified"
-        ),
+        f"model {model['size']}: {model['parameters']:,} parameters, {_mb(model['bytes'])} ({model['dtype']}); "
+        f"{s['trainers']} FSDP2 trainer ranks -> {s['engines']} {engine['kind']} engines "
+        f"({engine['tp']} rank{'s' if engine['tp'] > 1 else ''} each, {engine['dtype']}); transport "
+        f"{s['transport']['transport']} ({s['transport'].get('protocol', '-')}); median of {s['updates']} updates "
+        f"after "
+        f"{s['warmup']} warm-up; load average {load[0]:.1f} before, {load[1]:.1f} after (a shared machine: "
+        "compare ratios within the run)",
+        "",
+        f"  {'way':<15} {'s/update':>9} {'(min-max)':>13} {'GB/s':>6} {'bound s':>8} {'x bound':>8}  verified",
     ]
-    for name, way in result["ways"].items():
-        sent = ", ".join(f"{k} {_bytes(v)}" for k, v in way["bytes_per_sender"].items())
-        received = ", ".join(f"{k} {_bytes(v)}" for k, v in way["bytes_per_engine_rank"].items())
-        spread = f"({min(way['seconds_all']):.2f}-{max(way['seconds_all']):.2f})"
+    for name, w in result["ways"].items():
+        spread = f"({min(w['seconds_all']):.2f}-{max(w['seconds_all']):.2f})"
+        check = "yes" if w["verified"] else f"NO: {w['mismatches'][:3]}"
         lines.append(
-            f"  {name:<10} {way['seconds']:>9.3f} {spread:>13} {way['gbps']:>6.2f}  {sent:<36} {received:<36} "
-            + ("yes" if way["verified"] else f"NO: {way['mismatches'][:3]}")
+            f"  {name:<15} {w['seconds']:>9.3f} {spread:>13} {w['gbps']:>6.2f} {w['bound_seconds']:>8.3f} "
+            f"{w['over_bound']:>7.2f}x  {check} ({w['verified_by']})"
         )
-    lines.append(
-        f"  broadcast / p2p: {result['ratio_broadcast_over_p2p']:.2f}x (round by round "
-        f"{min(result['ratio_per_round']):.2f}-{max(result['ratio_per_round']):.2f}x, median "
-        f"{statistics.median(result['ratio_per_round']):.2f}x); "
-        f"the FSDP2 gathers alone as the broadcast path makes them (trainer dtype): {result['gather_seconds']:.3f} s"
-    )
-    for trainer, m in result.get("trainer_memory", {}).items():
-        added = m["p2p_first_added_bytes"]
-        bound = m["transfer_buffers_bytes"] + m["largest_group_bytes"] + m["bucket_bytes"]
-        lines.append(
-            f"  {trainer} peak RSS added by p2psync's first update: {_bytes(added)} (kept after it: "
-            f"{_bytes(m.get('p2p_first_kept_bytes', 0))}; later ones: "
-            f"{_bytes(m.get('p2p_later_added_bytes', 0))}); bound: 2 transfer buffers "
-            f"{_bytes(m['transfer_buffers_bytes'])} + largest group {_bytes(m['largest_group_bytes'])} + one gathered "
-            f"bucket {_bytes(m['bucket_bytes'])} = {_bytes(bound)} ({'within' if added <= bound else 'OVER'}); "
-            f"the broadcast path's: {_bytes(m['broadcast_first_added_bytes'])} (later ones: "
-            f"{_bytes(m.get('broadcast_later_added_bytes', 0))}); the gathers alone: "
-            f"{_bytes(m['gathers_first_added_bytes'])}"
-        )
+    for key, r in result["ratios"].items():
+        per = r["per_round"]
+        lines.append(f"  {key}: {r['of_medians']:.2f}x (round by round {min(per):.2f}-{max(per):.2f}x)")
+    lines.append("")
+    for name, w in result["ways"].items():
+        lines += _way_lines(name, w)
+    for trainer, m in result["trainer_memory"].items():
+        lines.append(_memory_line(trainer, m, list(result["ways"])))
     for when, machine in (("before", result["limits"]), ("after", result["limits_after"])):
-        memcpy, raw = machine["memcpy"], machine["raw_transport"]
-        limit = (
-            f"  machine {when} the syncs (load average {machine['load_average']:.1f}): memcpy {memcpy['gbps']:.2f} "
-            f"GB/s ({memcpy['threads']} threads, {_bytes(memcpy['bytes'])})"
-        )
-        if raw:
-            limit += (
-                f"; raw {raw['transport']} {raw['protocol']} loopback {raw['gbps']:.2f} GB/s "
-                f"({_bytes(raw['bytes'])} in {_bytes(raw['chunk_bytes'])} writes)"
-            )
-        lines.append(limit)
-    writing = result["p2p_writing_seconds"]
-    transfer = (
-        f"  p2p transfer phase (while any write ran: {min(writing):.2f}-{max(writing):.2f} s per update): "
-        f"{result['p2p_transfer_gbps']:.2f} GB/s"
-    )
-    if raw:
-        transfer += (
-            f", {result['p2p_transfer_over_raw_transport']:.0%} of raw (mean of before and after); "
-            f"whole update at {result['p2p_over_raw_transport']:.0%} of raw"
-        )
-    lines.append(transfer)
+        memcpy = machine["memcpy"]
+        line = (f"  machine {when} (load average {', '.join(f'{x:.1f}' for x in machine['load_average'])}): memcpy "
+                f"{memcpy['gbps']:.2f} GB/s ({memcpy['threads']} threads)")
+        for key in ("raw_transport", "raw_gloo"):
+            if machine.get(key):
+                raw = machine[key]
+                line += f"; raw {raw['transport']} ({raw['protocol']}) loopback {raw['gbps']:.2f} GB/s"
+        lines.append(line)
     return "\n".join(lines)
+
+
+def _way_lines(name: str, w: Mapping[str, Any]) -> list[str]:
+    phases = w["phases"]["trainer-0"]
+    split = ", ".join(f"{p} {t:.3f}" for p, t in phases.items() if t >= 0.0005)
+    lines = [f"  {name}: {w['description']}", f"    trainer-0's update, s: {split}"]
+    extra = [f"gathers alone {w['gathers_alone_seconds']:.3f} s ({w['gathers_step']})"]
+    if "writing_seconds" in w:
+        extra.append(f"a write running {w['writing_seconds']:.3f} s (all senders)")
+    if "engine_load_seconds" in w:
+        extra.append(f"engine ranks' loaders {w['engine_load_seconds']:.3f} s (the slowest rank)")
+    if w["wire_seconds_at_raw"] is not None:
+        extra.append(f"its {_mb(w['wire_bytes'])} on the wire at raw {w['raw_gbps']:.2f} GB/s: "
+                     f"{w['wire_seconds_at_raw']:.3f} s")
+    lines.append("    " + "; ".join(extra) + f"; bound = the larger: {w['bound_seconds']:.3f} s")
+    sent = ", ".join(f"{k} {_mb(v)}" for k, v in w["bytes_per_sender"].items())
+    received = ", ".join(f"{k} {_mb(v)}" for k, v in w["bytes_per_engine_rank"].items())
+    lines.append(f"    sent: {sent}; received: {received} ({w['bytes_how']})")
+    return lines
+
+
+def _memory_line(trainer: str, m: Mapping[str, Any], ways: Sequence[str]) -> str:
+    parts = []
+    if "p2p_bound_bytes" in m:
+        added, bound = m["p2p_first_added_bytes"], m["p2p_bound_bytes"]
+        parts.append(
+            f"p2p first update {_mb(added)} (kept {_mb(m['p2p_first_kept_bytes'])}), later "
+            f"{_mb(m.get('p2p_later_added_bytes', 0))}; bound {_mb(bound)} = 2 transfer buffers "
+            f"{_mb(m['transfer_buffers_bytes'])} + largest group {_mb(m['largest_group_bytes'])} + one bucket's "
+            f"gathers {_mb(m['gathers_peak_bytes'])} (alone, at their peak) + the interpreter's "
+            f"{_mb(m['interpreter_bytes'])}: {'within' if m['p2p_within_bound'] else 'OVER'}"
+        )
+    parts += [f"{way} first {_mb(m[f'{way}_first_added_bytes'])}, later {_mb(m.get(f'{way}_later_added_bytes', 0))}"
+              for way in ways if way != "p2p"]
+    return f"  {trainer} peak RSS added: " + "; ".join(parts)

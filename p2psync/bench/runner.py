@@ -1,38 +1,42 @@
-"""Runs the bench: engine ranks (see `engines`) and FSDP2 trainer ranks, synced by p2psync
-and by the broadcast path, interleaved round by round and timed, then verified.
+"""Runs the bench: engine ranks (see `engines`) and FSDP2 trainer ranks, synced each of the
+ways (see `ways`), interleaved round by round with the gathers each way makes, timed
+alone; then a verification round.
 
-Trainer rank 0 times both ways; the machine's limits are measured first, in a
-process of their own, while nothing else of the bench runs.
+The machine's limits are measured before and after, in a process of their own, while
+nothing else of the bench runs. Trainer rank 0 times every way and collects what every
+rank measured.
 """
 
 from __future__ import annotations
 
 import os
-import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..core.types import ParamSpec, numel
 from ..demo import DemoOptions, launch
-from . import broadcast, engines, limits, rss, verify
-from .report import Way, summary, writing_seconds
+from ..core.types import ParamSpec, numel
+from . import broadcast, engines, limits, results, rss, verify
+from .report import summary
+from .ways import WAYS, BroadcastWay, P2PWay, Way, make_ways
 
 if TYPE_CHECKING:
+    from ..core.engine import EngineControl
     from ..core.report import UpdateReport
-    from ..core.session import Session
     from ..core.source import TrainerSource
 
 
 @dataclass
 class BenchOptions(DemoOptions):
     """What one bench run does: the demo's model, trainers, engines and transport, the engine
-    kind (`engines.KINDS`) and its ranks per engine, untimed warm-up updates per way and
-    the size of the raw throughput measurements."""
+    kind (`engines.KINDS`) and its ranks per engine, the ways to compare (empty: all the
+    engines offer), untimed warm-up updates per way and the size of the raw measurements."""
 
     engine: str = "torch"
     engine_tp: int = 2
+    ways: tuple[str, ...] = ()
     warmup: int = 1
     raw_bytes: int = 512 << 20
     check: bool = False
@@ -44,50 +48,80 @@ class BenchOptions(DemoOptions):
 GROUP_TIMEOUT = 600.0
 
 
+def ways_for(opts: BenchOptions) -> list[str]:
+    """The ways this run compares: those asked for, or every way the engines offer."""
+    offered = [w for w in WAYS if w != "broadcast-fp32" or engines.engine_dtype(opts.engine) is not None]
+    unknown = [w for w in opts.ways if w not in offered]
+    if unknown:
+        raise ValueError(f"{opts.engine} engines offer the ways {offered}, not {unknown}")
+    return list(opts.ways) or offered
+
+
 def bench_engine(index: int, opts: BenchOptions, port: int, stop: Any) -> None:
-    """Engine-rank process `index`, also a member of the broadcast path; served until `stop`."""
+    """Engine-rank process `index`, also a member of the broadcast group; served until `stop`."""
     rank = engines.start_rank(index, opts, port)
     endpoint = rank.endpoint
     members = opts.engines * engines.tp(opts)
     broadcast.engine_loop(endpoint.rendezvous, index, members, endpoint.params, rank.load, stop, GROUP_TIMEOUT)
     stop.wait()
     endpoint.close()
+    # Everything is closed. The interpreter's teardown of a process holding vLLM (or sglang) and
+    # Mooncake can hang in native code (seen: more than the launcher's 60 s), so end it here.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
-def _setup(
-    opts: BenchOptions, specs: list[ParamSpec], transport: dict[str, Any], gathers: list[float]
-) -> dict[str, Any]:
-    """What was measured: model, layouts, transport, counts, and the gathers' own time."""
-    return {
-        "model": {
-            "size": opts.size,
-            "parameters": sum(numel(s.shape) for s in specs),
-            "bytes": sum(s.nbytes for s in specs),
-            "dtype": ",".join(sorted({s.dtype for s in specs})),
-        },
-        "trainers": opts.trainers,
-        "engines": opts.engines,
-        "engine": {"kind": opts.engine, "tp": engines.tp(opts), "dtype": engines.broadcast_dtype(opts) or "trainer's"},
-        "transport": {"name": transport["transport"], "protocol": transport.get("protocol", "-")},
-        "updates": opts.updates,
-        "warmup": opts.warmup,
-        "bucket_bytes": opts.bucket_bytes,
-        "gather_seconds": statistics.median(gathers),
-    }
+def _controls(session: Any) -> list[EngineControl]:
+    """Control clients of the session's engines, through the registry's engine targets."""
+    from ..core.plugins import registry
+
+    return [
+        registry().engine_target(tables[0].engine)().control(tables, timeout=session.transfer_timeout,
+                                                             token=session.token)
+        for tables in session.tables.values()
+    ]
+
+
+def gather_plans(ways: list[Way]) -> tuple[dict[str, tuple[list[list[str]], dict[str, str]]], dict[str, str]]:
+    """The distinct gatherings among the ways (buckets and dtypes), each named
+    `gathers:<first way that gathers so>`, and which of them each way makes."""
+    plans: dict[str, tuple[list[list[str]], dict[str, str]]] = {}
+    names: dict[str, str] = {}
+    of: dict[str, str] = {}
+    for way in ways:
+        buckets, casts = way.gathers()
+        key = repr((buckets, sorted(casts.items())))
+        if key not in names:
+            names[key] = f"gathers:{way.name}"
+            plans[names[key]] = (buckets, casts)
+        of[way.name] = names[key]
+    return plans, of
+
+
+def _gathers_alone(
+    source: TrainerSource, buckets: list[list[str]], casts: dict[str, str], progress: Callable[[], object]
+) -> float:
+    """Seconds of these gathers alone, from a trainer barrier (collective)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.monotonic()
+    for names in buckets:
+        source.gather_cast(names, {n: casts[n] for n in names if n in casts})
+        progress()
+    return time.monotonic() - start
 
 
 def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> None:
-    """A trainer rank. Each round runs one p2psync update, one broadcast update and the
-    FSDP2 gathers alone (what both ways pay), interleaved so that the machine's load
-    drifts over all three alike. A last, untimed round verifies: engines zeroed, a
-    p2psync update with its digest check, the digests of every engine parameter; engines
-    zeroed again, a broadcast update, and every parameter must hold the same bytes."""
+    """A trainer rank. Each round runs every way once and every distinct gathering alone,
+    interleaved so that the machine's load drifts over all alike; then a verification round."""
     import torch.distributed as dist
     from tqdm import tqdm
 
     from ..core.session import Session
 
-    rss.return_freed_memory()  # before the model exists: both ways run under the same allocator settings
+    rss.return_freed_memory()  # before the model exists: every way runs under the same allocator settings
     rendezvous, source = engines.start_trainer(rank, opts, port)
     ids = engines.engine_ids(opts)
     for engine in ids:  # engine ranks build their models first: wait longer than connect does
@@ -97,134 +131,155 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
         transfer_timeout=opts.transfer_timeout, check=opts.check,
     )
     session.connect(ids)
-    buckets = broadcast.buckets_of(source, opts.bucket_bytes)
-    dtype = engines.broadcast_dtype(opts)
+    buckets = session.buckets  # the broadcast gathers the same buckets: only the way of sending differs
+    dtype = engines.engine_dtype(opts.engine)
     members = opts.engines * engines.tp(opts)
-    pg = broadcast.leader_group(rendezvous, source, buckets, dtype, members, GROUP_TIMEOUT) if rank == 0 else None
+    specs = {s.name: s for s in source.param_specs()}
+    leader = broadcast.Leader(rendezvous, specs, buckets, dtype, members, GROUP_TIMEOUT) if rank == 0 else None
+    controls = _controls(session) if rank == 0 else []
+    ways = make_ways(ways_for(opts), session, source, buckets, leader, controls, dtype)
+    plans, gathers = gather_plans(ways)
     rounds = opts.warmup + opts.updates
     bar = tqdm(
-        total=(rounds + 1) * (session.bucket_count + len(buckets)) + rounds * len(buckets), unit="bucket",
-        disable=rank != 0 or not opts.progress,
+        total=(rounds + 1) * sum(len(w.gathers()[0]) for w in ways) + rounds * sum(len(b) for b, _ in plans.values()),
+        unit="bucket", disable=rank != 0 or not opts.progress,
     )
-    reports: list[UpdateReport] = []
-    writes: list[list[tuple[float, float]]] = []  # per update, when this rank's writes ran
-
-    def p2p() -> float:
-        dist.barrier()
-        reports.append(session.update(f"bench-{len(reports)}", progress=lambda done, total: bar.update()))
-        if not reports[-1].ok:
-            raise RuntimeError(reports[-1].format())
-        writes.append(session.write_intervals)
-        return reports[-1].seconds
-
-    steps: dict[str, Callable[[], float]] = {
-        "p2p": p2p,
-        "broadcast": lambda: broadcast.timed_update(source, buckets, pg, bar.update, dtype),
-        "gathers": lambda: broadcast.timed_update(source, buckets, None, bar.update),
-    }
-    seconds: dict[str, list[float]] = {name: [] for name in steps}
-    # RSS each way's update adds: its first (touching its buffers first), and the most of any later one
-    memory: dict[str, int] = {}
+    progress = bar.update
+    measured = Rounds(ways, list(plans))
     for i in range(rounds):
-        for name, step in steps.items():
+        steps: list[tuple[str, Callable[[], float], Way | None]] = [
+            (w.name, lambda w=w: w.update(progress), w) for w in ways
+        ]
+        steps += [
+            (name, lambda plan=plan: _gathers_alone(source, *plan, progress), None) for name, plan in plans.items()
+        ]
+        for name, run, way in steps:
             bar.set_description(name)
             before = rss.reset_peak()
-            seconds[name].append(step())
-            key = f"{name}_{'first' if i == 0 else 'later'}_added_bytes"
-            memory[key] = max(memory.get(key, 0), rss.peak() - before)
-            if i == 0:
-                memory[f"{name}_first_kept_bytes"] = rss.now() - before  # still resident after it
+            measured.record(name, run(), way, first=i == 0, timed=i >= opts.warmup, rss_before=before)
     bar.set_description("verify")
-    wrong = _verify(session, source, buckets, pg, p2p, dtype, bar.update, rank == 0)
+    held = _verify(ways, leader, session, measured.broadcast_log, progress)
     bar.close()
-    if pg is not None:
-        broadcast.stop(pg)
-    memory.update(
-        transfer_buffers_bytes=session.buffer_bytes,
-        largest_group_bytes=session.largest_group_bytes,
-        bucket_bytes=opts.bucket_bytes,
+    engine_stats = leader.stop(GROUP_TIMEOUT) if leader is not None else []
+    for control in controls:
+        control.close()
+    measured.memory.update(
+        transfer_buffers_bytes=session.buffer_bytes, largest_group_bytes=session.largest_group_bytes,
+        bucket_bytes=opts.bucket_bytes, broadcast_flat_bytes=leader.flat_buffer_bytes if leader else 0,
     )
-    memories = [None] * opts.trainers
-    dist.all_gather_object(memories, memory)
-    sent: list[int] = [0] * opts.trainers
-    dist.all_gather_object(sent, session.sent_bytes)
-    all_writes: list[Any] = [None] * opts.trainers
-    dist.all_gather_object(all_writes, writes[opts.warmup : rounds])
+    p2p = next((w for w in ways if isinstance(w, P2PWay)), None)
+    mine: dict[str, Any] = {
+        "memory": measured.memory, "phases": measured.phases, "sent": measured.sent,
+        "write_intervals": p2p.write_intervals[opts.warmup:rounds] if p2p else [],
+    }
+    everyone: list[Any] = [None] * opts.trainers
+    dist.all_gather_object(everyone, mine)
     dist.barrier()  # every trainer rank is done before any tears down
     transport = session.transport.describe()
     session.close()
     dist.destroy_process_group()
     if rank == 0:
-        timed = {name: s[opts.warmup :] for name, s in seconds.items()}
-        specs = source.param_specs()
-        ways = _ways(opts, timed, sent, reports[-1], wrong, broadcast.sent_bytes(source, dtype))
-        setup = _setup(opts, specs, transport, timed["gathers"])
-        setup["trainer_memory"] = {f"trainer-{r}": m for r, m in enumerate(memories)}
-        setup["p2p_writing_seconds"] = [
-            writing_seconds([i for rank in all_writes for i in rank[k]]) for k in range(opts.updates)
-        ]
-        results.put({"setup": setup, "ways": ways})
+        results.put({
+            "setup": _setup(opts, list(specs.values()), transport, ways),
+            "ways": [{"name": w.name, **w.to_json()} for w in ways],
+            "gathers_of": gathers, "seconds": measured.seconds, "per_rank": everyone, "held": held,
+            "engine_stats": engine_stats, "broadcast_log": measured.broadcast_log,
+            "members": [engines.member(opts, i) for i in range(members)],
+            "p2p_rank_bytes": _rank_bytes(p2p.reports[rounds - 1]) if p2p else {},
+            "payload": sum(broadcast.flat_bytes(s) for s in leader.packed) if leader else 0,
+        })
 
 
-def _verify(
-    session: Session, source: TrainerSource, buckets: list[list[str]], pg: Any | None, p2p: Callable[[], float],
-    dtype: str | None, progress: Callable[[], object], is_leader: bool,
-) -> dict[str, list[str]]:
-    """The untimed verification round (see `bench_trainer`); the parameters each way got wrong.
-    Collective over the trainer world; p2psync's check raises if it fails."""
-    import torch.distributed as dist
-
-    ids = list(session.tables)
-    timeout = session.transfer_timeout
-    if pg is not None:
-        broadcast.zero(pg)
-    checking, session.check = session.check, True
-    p2p()
-    session.check = checking
-    expected = verify.held(session.rendezvous, ids, timeout=timeout) if is_leader else {}
-    if pg is not None:
-        broadcast.zero(pg)
-    dist.barrier()
-    broadcast.send_update(source, buckets, pg, progress, dtype)
-    got = verify.held(session.rendezvous, ids, timeout=timeout) if is_leader else {}
-    return {"p2p": [], "broadcast": verify.mismatches(expected, got)}
+def _rank_bytes(report: UpdateReport) -> dict[str, int]:
+    """What each engine rank received in an update, keyed `engine/rank`."""
+    return {f"{e}/{r}": n for e, er in sorted(report.engines.items()) for r, n in sorted(er.rank_bytes.items())}
 
 
-def _ways(
-    opts: BenchOptions, timed: dict[str, list[float]], sent: list[int], last: UpdateReport,
-    wrong: dict[str, list[str]], model_bytes: int,
-) -> dict[str, Way]:
-    """Both ways' results. p2psync's bytes are what each trainer rank wrote and what each
-    engine rank received in its last update; the broadcast delivers the whole model (in
-    the dtype it sends, `model_bytes`) to every engine rank, sent by trainer rank 0 and,
-    past two engine ranks, relayed by some of them."""
-    ranks = [engines.member(opts, i) for i in range(opts.engines * engines.tp(opts))]
-    names = [f"{engine}/{rank}" for engine, rank in ranks]
-    sends = broadcast.sends_per_member(1 + len(ranks))
-    broadcast_senders = {f"trainer-{r}": sends[0] * model_bytes if r == 0 else 0 for r in range(opts.trainers)}
-    broadcast_senders.update({f"{name} (relay)": n * model_bytes for name, n in zip(names, sends[1:]) if n})
+def _setup(opts: BenchOptions, specs: list[ParamSpec], transport: dict[str, Any], ways: list[Way]) -> dict[str, Any]:
     return {
-        "p2p": Way(
-            timed["p2p"],
-            {f"trainer-{r}": nbytes for r, nbytes in enumerate(sent)},
-            {f"{engine}/{rank}": last.engines[engine].rank_bytes.get(rank, 0) for engine, rank in ranks},
-            wrong["p2p"],
-        ),
-        "broadcast": Way(timed["broadcast"], broadcast_senders, dict.fromkeys(names, model_bytes), wrong["broadcast"]),
+        "model": {
+            "size": opts.size, "parameters": sum(numel(s.shape) for s in specs), "bytes": sum(s.nbytes for s in specs),
+            "dtype": ",".join(sorted({s.dtype for s in specs})),
+        },
+        "trainers": opts.trainers,
+        "engines": opts.engines,
+        "engine": {
+            "kind": opts.engine, "tp": engines.tp(opts), "dtype": engines.engine_dtype(opts.engine) or "trainer's",
+        },
+        "transport": transport,
+        "updates": opts.updates,
+        "warmup": opts.warmup,
+        "bucket_bytes": opts.bucket_bytes,
+        "ways": [w.name for w in ways],
     }
 
 
+class Rounds:
+    """What one trainer rank measured over the timed rounds: seconds of every step (ways and
+    gathers alone), each way's phases and bytes sent, the RSS each step added, and which way
+    each broadcast update belonged to (the engines count every one; "" when untimed)."""
+
+    def __init__(self, ways: list[Way], gather_steps: list[str]) -> None:
+        self.seconds: dict[str, list[float]] = {name: [] for name in [w.name for w in ways] + gather_steps}
+        self.phases: dict[str, list[dict[str, float]]] = {w.name: [] for w in ways}
+        self.sent: dict[str, list[int]] = {w.name: [] for w in ways}
+        self.memory: dict[str, int] = {}
+        self.broadcast_log: list[str] = []
+
+    def record(self, step: str, took: float, way: Way | None, *, first: bool, timed: bool, rss_before: int) -> None:
+        """One step's result. RSS: what it added at its peak on its first run and on the worst
+        later one, and what its first run left resident beyond free heap pages."""
+        key = f"{step}_{'first' if first else 'later'}_added_bytes"
+        self.memory[key] = max(self.memory.get(key, 0), rss.peak() - rss_before)
+        if first:
+            rss.trim()
+            self.memory[f"{step}_first_kept_bytes"] = rss.now() - rss_before
+        if isinstance(way, BroadcastWay):
+            self.broadcast_log.append(step if timed else "")
+        if timed:
+            self.seconds[step].append(took)
+            if way is not None:
+                self.phases[step].append(way.phase_seconds)
+                self.sent[step].append(way.sent_bytes)
+
+
+def _verify(
+    ways: list[Way], leader: broadcast.Leader | None, session: Any, broadcast_log: list[str],
+    progress: Callable[[], object],
+) -> dict[str, dict[str, str]]:
+    """The untimed verification round: for each way, engines zeroed, one update (p2psync with
+    its digest check), then the digest of every parameter of every engine rank (on rank 0).
+    Collective over the trainer world; p2psync's check raises if it fails."""
+    import torch.distributed as dist
+
+    held = {}
+    ids = list(session.tables)
+    for way in ways:
+        if leader is not None:
+            leader.zero()
+        dist.barrier()
+        way.update(progress, check=True)
+        if isinstance(way, BroadcastWay):
+            broadcast_log.append("")
+        if leader is not None:
+            held[way.name] = verify.held(session.rendezvous, ids, timeout=session.transfer_timeout)
+    return held
+
+
 def run_bench(opts: BenchOptions) -> dict[str, Any]:
-    """Measure the machine's limits, both ways, and the limits again (the load of a shared
+    """Measure the machine's limits, every way, and the limits again (the load of a shared
     machine drifts); return the JSON-ready result.
 
-    Raises RuntimeError if a process failed or an update left an engine stale.
+    Raises ValueError for options the engines cannot run, RuntimeError if a process failed
+    or an update left an engine stale.
     """
     if opts.engine not in engines.KINDS:
         raise ValueError(f"unknown engine kind {opts.engine!r}; choose one of {engines.KINDS}")
     if opts.size not in engines.sizes(opts.engine):
         raise ValueError(f"{opts.engine} engines run sizes {engines.sizes(opts.engine)}, not {opts.size!r}")
+    ways_for(opts)
+    about = {"machine": results.machine(), "versions": results.versions(opts.engine), "started": time.time()}
     before = limits.measure_apart(opts.raw_bytes, opts.transport)
-    outcome = launch(opts, bench_engine, bench_trainer, engine_processes=opts.engines * engines.tp(opts))
+    raw = launch(opts, bench_engine, bench_trainer, engine_processes=opts.engines * engines.tp(opts))
     after = limits.measure_apart(opts.raw_bytes, opts.transport)
-    return summary(outcome["setup"], outcome["ways"], before, after)
+    return {**about, **summary(raw, before, after)}

@@ -1,13 +1,14 @@
 """Do the engines hold the trainer's bytes? Digests of every parameter of every engine rank.
 
-p2psync's own check (`Session(check=True)`) compares each rank's bytes with what
-its layout produced from the trainer's tensors; after the broadcast path (engine
-parameters zeroed first) every rank must hold exactly those bytes again.
+p2psync's own check (`Session(check=True)`) compares each rank's bytes with what its
+layout produced from the trainer's tensors; after each way (engine parameters zeroed
+first) every rank must hold exactly the bytes the engines' own loaders made of the
+trainer's tensors (the reference way).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from ..core.endpoint import EndpointControl
 from ..core.rendezvous import Rendezvous
@@ -25,8 +26,3 @@ def held(rendezvous: Rendezvous, engines: Sequence[str], *, timeout: float) -> d
             regions = {p.name: [Region(p.name, 0, 0, p.nbytes)] for p in table.params}
             out.update({f"{engine}/{table.rank}/{n}": d for n, d in control.digests(table.rank, regions).items()})
     return out
-
-
-def mismatches(expected: Mapping[str, str], got: Mapping[str, str]) -> list[str]:
-    """Keys whose digests differ (or are missing from `got`)."""
-    return sorted(k for k, d in expected.items() if got.get(k) != d)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 
@@ -53,3 +54,17 @@ class UpdateReport:
             if e.error:
                 lines.append(f"    error: {e.error}")
         return "\n".join(lines)
+
+
+class PhaseClock:
+    """Where one update's time went on this rank: `lap(phase)` charges the time since the
+    previous lap (or since the clock was made) to `phase`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.monotonic()
+
+    def lap(self, phase: str) -> None:
+        now = time.monotonic()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+        self._last = now

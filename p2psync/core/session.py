@@ -28,7 +28,7 @@ from .liveness import Heartbeat
 from .plan import Plan, PlanTarget, build_plan, unit_of
 from .plugins import Registry, registry as default_registry
 from .rendezvous import Rendezvous
-from .report import EngineReport, UpdateReport
+from .report import EngineReport, PhaseClock, UpdateReport
 from .source import TrainerSource
 from .transport import Peer, Transport, WriteBatch
 from .types import ParamSpec, Region, TargetId, TargetTable
@@ -169,6 +169,7 @@ class Session:
         self._conn: _Connection | None = None
         self._heartbeat = Heartbeat(rendezvous, self.rank, collectives.world_size())
         self._broken: str | None = None  # why update cannot run again
+        self._clock = PhaseClock()
 
     @property
     def plan(self) -> Plan | None:
@@ -200,6 +201,23 @@ class Session:
     def write_intervals(self) -> list[tuple[float, float]]:
         """(start, end) of every write this rank made in the last update (monotonic clock)."""
         return sorted(i for w in self._writers.values() for i in w.progress.intervals)
+
+    @property
+    def phase_seconds(self) -> dict[str, float]:
+        """Where this rank's last update spent its time: pause (until world rank 0 paused the
+        engines), gather, produce (filling buffers), buffer_wait (for a buffer that writes
+        still held), drain (the last writes), verify, finish (reports and finish calls)."""
+        return dict(self._clock.seconds)
+
+    @property
+    def gather_dtypes(self) -> dict[str, str]:
+        """HF tensors this rank gathers cast to a narrower dtype (known after `connect`)."""
+        return dict(self._conn.gather_dtypes) if self._conn else {}
+
+    @property
+    def buckets(self) -> list[list[str]]:
+        """The HF tensors of each bucket one update gathers, in order (known after `connect`)."""
+        return [list(names) for names in self._conn.buckets] if self._conn else []
 
     @property
     def bucket_count(self) -> int:
@@ -448,9 +466,11 @@ class Session:
 
     def _update(self, conn: _Connection, version: str, progress: Callable[[int, int], None] | None) -> UpdateReport:
         start = time.monotonic()
+        self._clock = PhaseClock()
         lease = UpdateLease(conn.controls, version, self.update_lease) if self.rank == 0 else None
         paused = lease.pause_all() if lease else None
         failed: dict[str, str] = collectives.broadcast(paused)
+        self._clock.lap("pause")
         for engine, writer in conn.writers.items():
             writer.start_update()
             if engine in failed:
@@ -460,8 +480,10 @@ class Session:
         for i, names in enumerate(conn.buckets):
             casts = {n: conn.gather_dtypes[n] for n in names if n in conn.gather_dtypes}
             tensors = self.source.gather_cast(names, casts)
+            self._clock.lap("gather")
             for unit, groups in conn.work[i]:
                 self._send(conn, unit, groups, tensors, produced[unit.unit])
+            self._clock.lap("produce")
             del tensors
             if lease:
                 lease.progressed(failed)
@@ -469,17 +491,20 @@ class Session:
                 progress(i + 1, len(conn.buckets))
         for writer in conn.writers.values():
             writer.wait()
+        self._clock.lap("drain")
         if self.check:
             if lease:
                 lease.progressed(failed)
             self._verify(conn, produced)
+            self._clock.lap("verify")
 
         mine = {
             engine: (w.progress.rank_bytes, (w.progress.last_done or start) - start, w.progress.error)
             for engine, w in conn.writers.items()
         }
-        report = self._report(conn, version, start, collectives.all_gather(mine), failed)
-        return collectives.broadcast(report)
+        report = collectives.broadcast(self._report(conn, version, start, collectives.all_gather(mine), failed))
+        self._clock.lap("finish")
+        return report
 
     def _send(
         self,
@@ -501,7 +526,9 @@ class Session:
                     if lease is not None:
                         self._submit(conn, unit, lease, regions)
                         lease = None  # _submit released the filler's reference
+                    self._clock.lap("produce")
                     lease, regions, offset = pool.acquire(self.transfer_timeout, self._abandon_laggards), [], 0
+                    self._clock.lap("buffer_wait")
                 out = lease.tensor[offset : offset + group.nbytes]
                 written = [
                     Region(r.param, r.param_offset, r.buffer_offset + offset, r.nbytes)

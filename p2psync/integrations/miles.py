@@ -77,7 +77,7 @@ def setting(args: Any, key: str) -> Any:
 def megatron_architecture(model_name: str | None) -> str:
     """The HF `model_type` whose names the Megatron source produces, from the actors' `model_name`:
     `type(hf_config).__name__.lower()` (`"qwen3moeconfig"`) unless `--model-name` overrides it."""
-    from ..adapters.megatron.names import ARCHITECTURES
+    from ..adapters.megatron import ARCHITECTURES
 
     key = (model_name or "").lower().removesuffix("config").replace("_", "").replace("-", "")
     for architecture in ARCHITECTURES:

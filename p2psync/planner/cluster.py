@@ -21,8 +21,11 @@ class Cluster:
     nics_per_node: int = 8
     nic_gbps: float = 400.0  # per NIC, per direction
     engine_dtype: str = "bf16"  # bf16 or fp8
+    engine_dp_attention: bool = False  # every engine rank holds the whole attention
     trainer_dtype: str = "bf16"
     latency_us: float = 5.0  # per message (one parameter write, one broadcast chunk hop)
+    #: All-gather bus bandwidth inside a node, GB/s per GPU (NVLink); across nodes a GPU's share of the NICs.
+    nvlink_gbytes: float = 360.0
 
     def __post_init__(self) -> None:
         for name in ("train_ranks", "train_tp", "train_pp", "train_ep", "train_etp", "engines", "engine_tp",
@@ -41,12 +44,24 @@ class Cluster:
             )
         if self.engine_tp % self.engine_ep:
             raise ValueError(f"engine EP {self.engine_ep} must divide engine TP {self.engine_tp} (sglang's MoE layout)")
+        if self.nvlink_gbytes <= 0 or self.nic_gbps <= 0:
+            raise ValueError("link bandwidths must be positive")
         if self.engine_dtype not in ("bf16", "fp8"):
             raise ValueError("engine dtype must be bf16 or fp8")
 
     @property
     def nic_bytes_per_s(self) -> float:
         return self.nic_gbps * 1e9 / 8
+
+    @property
+    def nic_share_bytes_per_s(self) -> float:
+        """One GPU's share of its node's NICs, per direction: what a cross-node all-gather gets per rank."""
+        return self.nic_bytes_per_s * min(self.nics_per_node, self.gpus_per_node) / self.gpus_per_node
+
+    def group_bytes_per_s(self, span: int) -> float:
+        """All-gather bandwidth per rank of a group of `span` consecutive ranks: NVLink when the
+        group fits in a node, else the GPU's share of the NICs."""
+        return self.nvlink_gbytes * 1e9 if span <= self.gpus_per_node else self.nic_share_bytes_per_s
 
     @property
     def stage_size(self) -> int:
@@ -84,7 +99,7 @@ class Cluster:
     def layout_key_text(self, source: str) -> str:
         """Engines of equal parallelism share layout keys, so their equal ranks share plan units."""
         return json.dumps({"engine": "sglang", "shapes": source, "tp_size": self.engine_tp, "ep_size": self.engine_ep,
-                           "dtype": self.engine_dtype}, sort_keys=True)
+                           "dtype": self.engine_dtype, "dp_attention": self.engine_dp_attention}, sort_keys=True)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "train_nodes": self.train_nodes, "engine_nodes": self.engine_nodes,

@@ -1,7 +1,7 @@
 """Per-rank shapes from the real engine code: sglang's own model of each rank, on meta.
 
-Through the sglang adapter's shim (`build_rank_model(..., "meta")`: no storage).
-To stay fast, the model is built with only as many layers as it takes to hold one
+Through the sglang adapter's public `rank_params` (sglang's model of a rank built on
+the meta device: no storage). To stay fast, the model is built with only as many layers as it takes to hold one
 of each layer kind, and the per-kind parameters are read from it; the planner
 multiplies them by the number of layers of each kind (layers of one kind hold
 equal shapes).
@@ -21,9 +21,9 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 def sglang_available() -> tuple[bool, str]:
     """Whether sglang's meta-device rank model can be used here, and why not."""
     try:
-        from ..adapters.sglang.shim import require_sglang
+        from ..adapters.sglang import version
 
-        return True, require_sglang()
+        return True, version()
     except Exception as exc:  # not installed, wrong version, broken install
         return False, f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
 
@@ -43,24 +43,19 @@ def _reduced(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[int, str]]:
     return small, {i: kinds[i] for i in keep.values()}
 
 
-def _dtype_name(dt: Any) -> str:
-    return str(dt).removeprefix("torch.")
-
-
 def sglang_shapes(cfg: dict[str, Any], tp: int, ep: int, dtype: str) -> ShapeModel:
     """Shapes of every rank of an sglang engine (tp ranks, experts over ep), from sglang's model on meta."""
-    from ..adapters.sglang.shim import RankSpec, build_rank_model, require_sglang
+    from ..adapters.sglang import rank_params, version
 
     if dtype != "bf16":
         raise ValueError("sglang meta shapes: only bf16 engines (the sglang layout does not support quantized engines)")
-    version = require_sglang()
+    sglang_version = version()
     small, picked = _reduced(cfg)
     ranks: list[RankShapes] = []
     for rank in range(tp):
-        rm = build_rank_model(RankSpec(hf_config=small, tp_size=tp, ep_size=ep, dtype="bfloat16", rank=rank), "meta")
         parts: dict[str, list[Param]] = {"embed": [], "final": []}
-        for name, p in rm.model.named_parameters():
-            param = Param(name, tuple(p.shape), _dtype_name(p.dtype))
+        for name, shape, param_dtype in rank_params(small, tp=tp, ep=ep, rank=rank, dtype="bfloat16"):
+            param = Param(name, shape, param_dtype)
             m = _LAYER.match(name)
             if m:
                 i = int(m.group(1))
@@ -72,26 +67,31 @@ def sglang_shapes(cfg: dict[str, Any], tp: int, ep: int, dtype: str) -> ShapeMod
             else:
                 parts["final"].append(param)
         ranks.append(RankShapes(parts))
-        del rm
     base = analytic_shapes(cfg, 1, 1, dtype)  # the unsharded model, for the broadcast path and the totals
     return ShapeModel(
-        source=f"shapes from sglang {version} on meta", layer_kinds=layer_kinds(cfg), ranks=ranks, full=base.full,
+        source=f"shapes from sglang {sglang_version} on meta", layer_kinds=layer_kinds(cfg), ranks=ranks, full=base.full,
         numel_total=base.numel_total,
     )
 
 
-def shapes_for(cfg: dict[str, Any], tp: int, ep: int, dtype: str, want: str = "auto") -> ShapeModel:
+def shapes_for(
+    cfg: dict[str, Any], tp: int, ep: int, dtype: str, want: str = "auto", dp_attention: bool = False
+) -> ShapeModel:
     """`want`: "sglang" (the real engine code; error if it cannot be used), "analytic", or "auto"
-    (sglang when it imports and the engine dtype is bf16, else analytic, saying why)."""
+    (sglang when it imports and the engine dtype is bf16 without DP attention, else analytic, saying why)."""
     if want == "analytic":
-        return analytic_shapes(cfg, tp, ep, dtype, "requested")
+        return analytic_shapes(cfg, tp, ep, dtype, "requested", dp_attention)
     ok, why = sglang_available()
     if want == "sglang":
         if not ok:
             raise RuntimeError(f"--shapes sglang: sglang cannot be used here ({why}); pip install 'p2psync[sglang]'")
+        if dp_attention:
+            raise ValueError("--shapes sglang: DP attention is modelled analytically only")
         return sglang_shapes(cfg, tp, ep, dtype)
     if not ok:
-        return analytic_shapes(cfg, tp, ep, dtype, "sglang not installed" if "No module" in why else why)
+        return analytic_shapes(cfg, tp, ep, dtype, "sglang not installed" if "No module" in why else why, dp_attention)
     if dtype != "bf16":
-        return analytic_shapes(cfg, tp, ep, dtype, "fp8 engine: the sglang layout models bf16 engines only")
+        return analytic_shapes(cfg, tp, ep, dtype, "fp8 engine: the sglang layout models bf16 engines only", dp_attention)
+    if dp_attention:
+        return analytic_shapes(cfg, tp, ep, dtype, "DP attention is modelled analytically only", dp_attention)
     return sglang_shapes(cfg, tp, ep, dtype)

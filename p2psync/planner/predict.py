@@ -14,8 +14,8 @@ Link model (stated in every output):
   whole model; time = most bytes through a NIC / bandwidth + (tensors + ring
   length) x latency. "star" has the head send to each engine rank in turn: its NIC
   carries stage bytes x engine ranks.
-Not modeled, alike for both ways: the trainer's gathers (TP/EP all-gathers), the
-layout's work producing the bytes, engine pause/resume and post-processing.
+The wire only: `update.whole_update` adds the trainer's gathers, the production of the
+bytes and the engines' control calls.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ LINK_MODEL = (
     "each NIC {gbps:g} Gb/s per direction, full duplex; rank -> NIC local_rank % {nics}; "
     "P2P time = max over NIC-directions of bytes/bandwidth + messages x {lat:g} us (message = one parameter to one "
     "target), all stages at once; broadcast ({bmodel}) = one head rank per stage sends full tensors to every engine "
-    "rank (engine dtype), stages at once{bnote}; not modeled: trainer gathers, layout work, engine pause/resume"
+    "rank (engine dtype), stages at once{bnote}; the wire only (`update` adds gathers, production and control)"
 )
 _BNOTE = {
     "ring": " (NCCL pipelined ring: each engine-rank NIC receives and forwards every byte once; + (tensors + ring "

@@ -1,7 +1,9 @@
 """HF-config-shaped presets from public architecture numbers (no download).
 
-Numbers from the models' public config.json files, as summarized in
-shared/notes/anchors.md. Only the fields that decide parameter shapes are set.
+Numbers from the models' public config.json files. GLM-4.7-Flash and GLM-5 are the
+defaults of transformers' `Glm4MoeLiteConfig` and `GlmMoeDsaConfig`, which transformers
+documents as those checkpoints' configurations. Only the fields that decide parameter
+shapes are set.
 """
 
 from __future__ import annotations
@@ -24,6 +26,13 @@ _DEEPSEEK = dict(
     max_position_embeddings=163840, hidden_act="silu",
     rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
                   "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+)
+
+_GLM_MLA = dict(
+    model_type="glm4_moe_lite", n_shared_experts=1, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=192,
+    v_head_dim=256, moe_layer_freq=1, topk_method="noaux_tc", n_group=1, topk_group=1, norm_topk_prob=True,
+    tie_word_embeddings=False, vocab_size=154880, torch_dtype="bfloat16", rms_norm_eps=1e-5,
+    max_position_embeddings=202752, hidden_act="silu",
 )
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -51,11 +60,25 @@ PRESETS: dict[str, dict[str, Any]] = {
         _DEEPSEEK, n_routed_experts=384, num_attention_heads=64, num_key_value_heads=64, vocab_size=163840,
         first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.827,
     ),
+    "GLM-4.7-Flash": dict(
+        _GLM_MLA, architectures=["Glm4MoeLiteForCausalLM"], num_hidden_layers=47, first_k_dense_replace=1,
+        hidden_size=2048, intermediate_size=10240, moe_intermediate_size=1536, n_routed_experts=64,
+        num_experts_per_tok=4, num_attention_heads=20, num_key_value_heads=20, q_lora_rank=768,
+        routed_scaling_factor=1.8,
+    ),
+    "GLM-5": dict(
+        _GLM_MLA, architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa", num_hidden_layers=78,
+        first_k_dense_replace=3, hidden_size=6144, intermediate_size=12288, moe_intermediate_size=2048,
+        n_routed_experts=256, num_experts_per_tok=8, num_attention_heads=64, num_key_value_heads=64,
+        q_lora_rank=2048, routed_scaling_factor=2.5, index_n_heads=32, index_head_dim=128, index_topk=2048,
+    ),
 }
 
 #: Published total parameter counts (anchors.md), to check the analytic model against.
 PUBLISHED_PARAMS = {"Kimi-K2": 1.03e12, "DeepSeek-V3": 671e9, "GLM-4.5-Air": 106e9, "Qwen3-235B-A22B": 235e9,
-                    "Qwen3-30B-A3B": 30.5e9}
+                    "Qwen3-30B-A3B": 30.5e9, "GLM-4.7-Flash": 30e9, "GLM-5": 744e9}
+# GLM-4.7-Flash is published as 30B-A3B; its checkpoint's 31B include a multi-token-prediction
+# layer, which no preset models (engines and trainers sync the main model).
 
 
 def preset(name: str) -> dict[str, Any]:

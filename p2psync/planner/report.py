@@ -100,10 +100,35 @@ def format_text(d: dict[str, Any]) -> str:
         f"for any plan {p2p['plan_independent_floor_s']:.3f} s)",
         f"    broadcast  {b['predicted_s']:8.3f} s   ({d['broadcast_model']})",
         f"    broadcast / P2P = {d['broadcast_over_p2p']:.1f}x",
+        *_update_lines(d),
         f"  plan built in {d['plan_build_s']:.3f} s: shapes {d.get('shapes_s', 0):.3f} s (with imports), "
         f"{c['train_pp']} real plans + loads {d.get('plans_s', d['plan_build_s']):.3f} s",
     ]
     return "\n".join(lines)
+
+
+def _update_lines(d: dict[str, Any]) -> list[str]:
+    """The whole update per way, part by part, and the published times of a `--setup`."""
+    u = d["update"]
+    lines = [
+        "",
+        "  predicted whole update (a prediction, not a measurement), seconds:",
+        f"    {'way':<12} {'gathers':>8} {'production':>11} {'wire':>8} {'pause':>6} {'finish':>7} {'post-load':>10} "
+        f"{'total':>8}",
+    ]
+    for name, w in u["ways"].items():
+        lines.append(
+            f"    {name:<12} {w['gathers_s']:>8.3f} {w['production_s']:>11.3f} {w['wire_s']:>8.3f} {w['pause_s']:>6.2f} "
+            f"{w['finish_s']:>7.2f} {w['post_load_s']:>10.3f} {w['total_s']:>8.3f}"
+        )
+    lines.append(f"  whole-update model: {u['model']}")
+    for p in d.get("published", []):
+        low, high = p["low_s"], p["high_s"]
+        when = f"{low:g}" if low == high else f"{low:g}-{high:g}"
+        lines.append(f"  published ({p['system']}, way {p['way']}): {when} s")
+    if d.get("assumed"):
+        lines.append(f"  ASSUMED: {d['assumed']}")
+    return lines
 
 
 def draw_png(d: dict[str, Any], path: str) -> None:

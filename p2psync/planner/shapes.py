@@ -16,6 +16,7 @@ does not divide) and split over TP.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from math import ceil, prod
 from typing import Any
@@ -64,12 +65,25 @@ class ShapeModel:
     def full_bytes(self, layers: range, embed: bool, final: bool) -> tuple[int, int]:
         return _bytes_of(self.full, self.layer_kinds, layers, embed, final)
 
+    def full_expert_bytes(self, layers: range, embed: bool, final: bool) -> int:
+        """Bytes of the routed experts' tensors among `full_bytes` (a trainer gathers them
+        over its expert-parallel group, the rest over tensor parallel)."""
+        return _bytes_of(self.full, self.layer_kinds, layers, embed, final, is_routed_expert)[0]
 
-def _bytes_of(rs: RankShapes, kinds: list[str], layers: range, embed: bool, final: bool) -> tuple[int, int]:
+
+def is_routed_expert(param: Param) -> bool:
+    return ".experts." in param.name  # `mlp.experts.w13_weight`; shared experts are `mlp.shared_experts.*`
+
+
+def _bytes_of(
+    rs: RankShapes, kinds: list[str], layers: range, embed: bool, final: bool,
+    select: Callable[[Param], bool] | None = None,
+) -> tuple[int, int]:
     nbytes = count = 0
     for part, n in _multiplicity(kinds, layers, embed, final).items():
-        nbytes += n * rs.part_bytes(part)
-        count += n * rs.part_count(part)
+        params = [p for p in rs.parts.get(part, ()) if select is None or select(p)]
+        nbytes += n * sum(p.nbytes for p in params)
+        count += n * len(params)
     return nbytes, count
 
 
@@ -118,8 +132,9 @@ def _div(a: int, b: int, what: str) -> int:
 class _Builder:
     """Parameters of one rank in engine dtype `dtype` ("bfloat16" or "fp8")."""
 
-    def __init__(self, cfg: dict[str, Any], tp: int, ep: int, dtype: str) -> None:
+    def __init__(self, cfg: dict[str, Any], tp: int, ep: int, dtype: str, dp_attention: bool = False) -> None:
         self.cfg, self.tp, self.ep = cfg, tp, ep
+        self.attn_tp = 1 if dp_attention else tp  # DP attention: every rank holds the whole attention
         self.fp8 = dtype == "fp8"
         self.act = {"fp8": "bfloat16", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype)
         if self.act not in DTYPE_BYTES:
@@ -141,7 +156,7 @@ class _Builder:
         out.append(Param(f"{name}.weight", (size,), self.act))
 
     def attention(self, out: list[Param]) -> None:
-        c, tp, h = self.cfg, self.tp, int(self.cfg["hidden_size"])
+        c, tp, h = self.cfg, self.attn_tp, int(self.cfg["hidden_size"])
         heads = int(c["num_attention_heads"])
         hp = _div(heads, tp, "attention heads over engine TP")
         if c.get("kv_lora_rank"):  # MLA (DeepSeek-V3, Kimi-K2)
@@ -157,6 +172,13 @@ class _Builder:
             self.norm(out, "self_attn.kv_a_layernorm", kvl)
             self.linear(out, "self_attn.kv_b_proj", hp * (nope + v), kvl)
             self.linear(out, "self_attn.o_proj", h, hp * v)
+            if c.get("index_n_heads"):  # DeepSeek-V3.2-style sparse-attention indexer (GLM-5): replicated
+                ih, idim = int(c["index_n_heads"]), int(c["index_head_dim"])
+                self.linear(out, "self_attn.indexer.wq_b", ih * idim, int(ql or h))
+                self.linear(out, "self_attn.indexer.wk", idim, h)
+                self.norm(out, "self_attn.indexer.k_norm", idim)
+                out.append(Param("self_attn.indexer.k_norm.bias", (idim,), self.act))
+                self.linear(out, "self_attn.indexer.weights_proj", ih, h, quant=False)
             return
         hd = int(c.get("head_dim") or h // heads)
         kv = int(c.get("num_key_value_heads") or heads)
@@ -219,12 +241,16 @@ class _Builder:
 #: Architectures whose sglang sharding the analytic model follows (checked against sglang's meta models).
 ANALYTIC_ARCHITECTURES = (
     "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM", "Glm4MoeForCausalLM",
-    "DeepseekV3ForCausalLM",
+    "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "GlmMoeDsaForCausalLM",
 )
 
 
-def analytic_shapes(cfg: dict[str, Any], tp: int, ep: int, dtype: str, why: str = "") -> ShapeModel:
-    """Shapes of every rank of an engine of `tp` ranks (experts over `ep`), by sglang's rules."""
+def analytic_shapes(
+    cfg: dict[str, Any], tp: int, ep: int, dtype: str, why: str = "", dp_attention: bool = False
+) -> ShapeModel:
+    """Shapes of every rank of an engine of `tp` ranks (experts over `ep`), by sglang's rules;
+    with `dp_attention` every rank holds the whole attention (data-parallel attention, as
+    vLLM's and sglang's DP attention do), the rest as without."""
     arch = (cfg.get("architectures") or ["?"])[0]
     if arch not in ANALYTIC_ARCHITECTURES:
         raise ValueError(
@@ -232,7 +258,7 @@ def analytic_shapes(cfg: dict[str, Any], tp: int, ep: int, dtype: str, why: str 
             "with sglang installed, --shapes sglang reads any architecture sglang supports"
         )
     kinds = layer_kinds(cfg)
-    builder = _Builder(cfg, tp, ep, dtype)
+    builder = _Builder(cfg, tp, ep, dtype, dp_attention)
     one = builder.rank(set(kinds))
     # Under these rules every rank of a (divisible) engine holds the same shapes: compute one, share it.
     ranks = [one] * tp
@@ -241,5 +267,5 @@ def analytic_shapes(cfg: dict[str, Any], tp: int, ep: int, dtype: str, why: str 
     bf = _Builder(cfg, 1, 1, "bf16").rank(set(kinds))
     for part, n in _multiplicity(kinds, range(len(kinds)), True, True).items():
         numel += n * sum(prod(p.shape) for p in bf.parts[part])
-    source = "analytic shapes" + (f" ({why})" if why else "")
+    source = "analytic shapes" + (", DP attention" if dp_attention else "") + (f" ({why})" if why else "")
     return ShapeModel(source=source, layer_kinds=kinds, ranks=ranks, full=full_model, numel_total=numel)

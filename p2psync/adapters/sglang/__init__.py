@@ -1,9 +1,15 @@
 """sglang engines: exact per-rank layouts from sglang's own loaders, and the engine-side endpoint.
 
+Public: `SglangEngineTarget` (the trainer side), `serve` (the engine side of a rank
+model), and for tools `serve_rank` (one TP rank built on CPU and served), `rank_params`
+(a rank's parameter shapes from sglang's model on meta) and `version` (sglang's, if this
+adapter supports it; else ImportError or RuntimeError saying why).
 Nothing here imports sglang until a layout is built or an endpoint served.
 """
 
 from .endpoint import serve
+from .shim import require_sglang as version
+from .standalone import rank_params, serve_rank
 from .target import SglangEngineTarget
 
-__all__ = ["SglangEngineTarget", "serve"]
+__all__ = ["SglangEngineTarget", "rank_params", "serve", "serve_rank", "version"]

@@ -1,0 +1,44 @@
+"""sglang ranks outside an sglang server, for tools and tests: one TP rank's model served on
+CPU in this process (`p2psync bench --engine sglang` hands the broadcast path's full HF
+tensors to sglang's own loader, which keeps the rank's shard, as miles, slime and verl do),
+and a rank's parameters read from sglang's model on meta (`p2psync plan`'s shapes).
+sglang is imported only when a function is called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .shim import RankSpec, build_rank_model
+
+if TYPE_CHECKING:
+    import torch
+
+    from ...core.endpoint import EngineEndpoint
+    from ...core.rendezvous import Rendezvous
+
+
+def rank_params(
+    hf_config: Mapping[str, Any], *, tp: int, ep: int = 1, rank: int, dtype: str = "bfloat16"
+) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype) of every parameter of TP rank `rank` of an engine of `tp` ranks
+    with its experts over `ep`."""
+    model = build_rank_model(RankSpec(dict(hf_config), tp, ep, dtype, rank), "meta").model
+    return [(name, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for name, p in model.named_parameters()]
+
+
+def serve_rank(
+    hf_config: Mapping[str, Any], *, tp: int, rank: int, engine_id: str, rendezvous: Rendezvous, transport: str,
+    dtype: str = "bfloat16",
+) -> tuple[EngineEndpoint, Callable[[Sequence[tuple[str, torch.Tensor]]], None]]:
+    """Build sglang's model of TP rank `rank` on CPU and serve it (`serve`); return the endpoint
+    and sglang's own `load_weights` for it."""
+    from .endpoint import serve
+
+    rank_model = build_rank_model(RankSpec(dict(hf_config), tp, 1, dtype, rank), "cpu")
+    endpoint = serve(
+        rank_model.model, rank_model.server_args, rank_model.model_config,
+        engine_id=engine_id, rank=rank, rendezvous=rendezvous, transport=transport,
+    )
+    return endpoint, rank_model.load
