@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..core.types import ParamSpec, numel
-from ..demo import DemoOptions, launch
+from ..conformance.harness import launch
+from ..demo import DemoOptions
 from . import broadcast, engines, limits, rss, verify
 from .report import Way, summary, writing_seconds
 
@@ -171,7 +172,10 @@ def _verify(
     dtype: str | None, progress: Callable[[], object], is_leader: bool,
 ) -> dict[str, list[str]]:
     """The untimed verification round (see `bench_trainer`); the parameters each way got wrong.
-    Collective over the trainer world; p2psync's check raises if it fails."""
+    p2psync's bytes must equal what each engine rank's own loader makes of the trainer's full
+    tensors (the broadcast path): a parameter where the two differ counts against both ways,
+    neither being then known right. Collective over the trainer world; p2psync's check raises
+    if it fails."""
     import torch.distributed as dist
 
     ids = list(session.tables)
@@ -181,13 +185,14 @@ def _verify(
     checking, session.check = session.check, True
     p2p()
     session.check = checking
-    expected = verify.held(session.rendezvous, ids, timeout=timeout) if is_leader else {}
+    from_p2p = verify.held(session.rendezvous, ids, timeout=timeout) if is_leader else {}
     if pg is not None:
         broadcast.zero(pg)
     dist.barrier()
     broadcast.send_update(source, buckets, pg, progress, dtype)
-    got = verify.held(session.rendezvous, ids, timeout=timeout) if is_leader else {}
-    return {"p2p": [], "broadcast": verify.mismatches(expected, got)}
+    from_loaders = verify.held(session.rendezvous, ids, timeout=timeout) if is_leader else {}
+    differ = verify.mismatches(from_loaders, from_p2p)
+    return {"p2p": differ, "broadcast": differ}
 
 
 def _ways(
