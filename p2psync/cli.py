@@ -45,7 +45,7 @@ def _demo(args: argparse.Namespace) -> int:
     )
     result = run(opts)
     ok = True
-    for report, generations in zip(result["reports"], result["generations"]):
+    for report, generations in zip(result.reports, result.generations):
         print(report.format())
         expected = generations["trainer"]
         for engine in sorted(report.engines):

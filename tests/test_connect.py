@@ -10,7 +10,8 @@ import pytest
 pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is not installed")
 
 import torch  # noqa: E402
-from harness import RecordingTransport, engines, small_model  # noqa: E402
+from tests.helpers.doubles import CountingTransport  # noqa: E402
+from tests.helpers.engines import RecordingTransport, small_model  # noqa: E402
 
 from p2psync.adapters.fsdp2 import FSDP2Source  # noqa: E402
 from p2psync.adapters.torch import serve  # noqa: E402
@@ -23,14 +24,6 @@ from p2psync.core.types import TargetParam, TargetTable  # noqa: E402
 from p2psync.transports.mooncake.transport import MooncakeTransport  # noqa: E402
 
 
-class CountingTransport(MooncakeTransport):
-    opened: list[str]
-
-    def open(self, table):
-        self.opened.append(table.engine_id)
-        return super().open(table)
-
-
 def session_for(rendezvous, model=None, **kwargs) -> Session:
     kwargs.setdefault("transfer_timeout", 5.0)
     kwargs.setdefault("check", True)
@@ -38,59 +31,55 @@ def session_for(rendezvous, model=None, **kwargs) -> Session:
     return Session(source=FSDP2Source(model or small_model(0)), rendezvous=rendezvous, **kwargs)
 
 
-def test_engines_join_leave_and_restart_without_rebuilding_the_others(monkeypatch):
+def test_engines_join_leave_and_restart_without_rebuilding_the_others(monkeypatch, engine_group):
     built = []
     original = TorchEngineTarget.layout
     monkeypatch.setattr(TorchEngineTarget, "layout", lambda self, t, s: built.append(t.engine_id) or original(self, t, s))
     transport = CountingTransport()
-    transport.opened = []
-    with engines() as group:
-        group.start("a")
-        group.start("b")
-        with session_for(group.rendezvous, transport=transport) as session:
-            session.connect(["a", "b"])
-            assert session.update("v1").ok
-            assert (built, transport.opened) == (["a"], ["a", "b"])  # one layout key, two peers
+    engine_group.start("a")
+    engine_group.start("b")
+    with session_for(engine_group.rendezvous, transport=transport) as session:
+        session.connect(["a", "b"])
+        assert session.update("v1").ok
+        assert (built, transport.opened) == (["a"], ["a", "b"])  # one layout key, two peers
 
-            group.start("c", dtype="bfloat16")  # joins, with a layout of its own
-            session.connect(["a", "b", "c"])
-            assert (built[1:], transport.opened[2:]) == (["c"], ["c"])
-            assert session.update("v2").ok
+        engine_group.start("c", dtype="bfloat16")  # joins, with a layout of its own
+        session.connect(["a", "b", "c"])
+        assert (built[1:], transport.opened[2:]) == (["c"], ["c"])
+        assert session.update("v2").ok
 
-            group.stop("b")  # leaves
-            session.connect(["a", "c"])
-            assert {t.engine_id for t in session.plan.assignment} == {"a", "c"}
-            assert (built[2:], transport.opened[3:]) == ([], [])
-            report = session.update("v3")
-            assert report.ok and set(report.engines) == {"a", "c"}
+        engine_group.stop("b")  # leaves
+        session.connect(["a", "c"])
+        assert {t.engine_id for t in session.plan.assignment} == {"a", "c"}
+        assert (built[2:], transport.opened[3:]) == ([], [])
+        report = session.update("v3")
+        assert report.ok and set(report.engines) == {"a", "c"}
 
-            group.stop("a")  # restarts: new process, new addresses, same layout key
-            group.start("a", seed=7)
-            session.connect(["a", "c"])
-            assert (built[2:], transport.opened[3:]) == ([], ["a"])
-            assert session.update("v4").ok
+        engine_group.stop("a")  # restarts: new process, new addresses, same layout key
+        engine_group.start("a", seed=7)
+        session.connect(["a", "c"])
+        assert (built[2:], transport.opened[3:]) == ([], ["a"])
+        assert session.update("v4").ok
 
 
-def test_shape_mismatch_is_refused_at_connect_and_nothing_is_written():
-    with engines() as group:
-        group.start("wide", width=48)
-        with session_for(group.rendezvous) as session:
-            with pytest.raises(ConnectError) as error:
-                session.connect(["wide"])
-        assert "engine 'wide' rank 0 parameter '1.weight'" in str(error.value)
-        assert "shape [96, 48] on the engine, [64, 32] on the trainer" in str(error.value)
-        table = group.rendezvous.read_engine("wide")[0]
-        token = group.rendezvous.token()
-        status = post(table.control_url, "info", token=token, timeout=5)
+def test_shape_mismatch_is_refused_at_connect_and_nothing_is_written(engine_group):
+    engine_group.start("wide", width=48)
+    with session_for(engine_group.rendezvous) as session:
+        with pytest.raises(ConnectError) as error:
+            session.connect(["wide"])
+    assert "engine 'wide' rank 0 parameter '1.weight'" in str(error.value)
+    assert "shape [96, 48] on the engine, [64, 32] on the trainer" in str(error.value)
+    table = engine_group.rendezvous.read_engine("wide")[0]
+    token = engine_group.rendezvous.token()
+    status = post(table.control_url, "info", token=token, timeout=5)
     assert (status["version"], status["updating"], status["stale"]) == (None, None, None)  # never paused for an update
 
 
-def test_a_trainer_with_another_token_is_refused():
-    with engines() as group:
-        group.start("a")
-        with session_for(group.rendezvous, token="not-this-job") as session:
-            with pytest.raises(ConnectError, match="engine 'a' rank 0.*403.*wrong or missing job token"):
-                session.connect(["a"])
+def test_a_trainer_with_another_token_is_refused(engine_group):
+    engine_group.start("a")
+    with session_for(engine_group.rendezvous, token="not-this-job") as session:
+        with pytest.raises(ConnectError, match="engine 'a' rank 0.*403.*wrong or missing job token"):
+            session.connect(["a"])
 
 
 def fake_table(rendezvous: Rendezvous, **changes) -> TargetTable:
@@ -154,6 +143,24 @@ def test_bad_tables_are_refused_with_a_clear_error(case):
         with pytest.raises(ConnectError) as error:
             session.connect(["x"])
     assert message in str(error.value)
+
+
+def test_one_layout_key_with_different_parameters_is_refused_naming_the_parameter():
+    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="bad", is_server=True, timeout=2)
+    x = fake_table(rendezvous)
+    y = dataclasses.replace(x, engine_id="y", params=tuple(
+        dataclasses.replace(p, shape=(p.shape[0] // 2, *p.shape[1:]), nbytes=p.nbytes // 2) if p.name == "1.bias" else p
+        for p in x.params
+    ))  # the same layout key: a rank of y would be served x's bytes
+    rendezvous.publish(x)
+    rendezvous.publish(y)
+    transport = CountingTransport()
+    with session_for(rendezvous, transport=transport) as session:
+        with pytest.raises(ConnectError) as error:
+            session.connect(["x", "y"])
+    assert "engine 'y' rank 0 parameter '1.bias' differs from the parameter of another engine rank with the same " \
+        "layout key" in str(error.value)
+    assert transport.opened == []  # refused before any peer was opened: nothing written
 
 
 @pytest.mark.parametrize(

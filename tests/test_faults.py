@@ -4,6 +4,7 @@ resume, and nothing leaks across many updates."""
 from __future__ import annotations
 
 import gc
+import re
 import threading
 import time
 
@@ -12,23 +13,25 @@ import pytest
 pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is not installed")
 
 import torch  # noqa: E402
-from harness import engines, small_model  # noqa: E402
+from tests.helpers.engines import small_model  # noqa: E402
 
 from p2psync.adapters.fsdp2 import FSDP2Source  # noqa: E402
+from p2psync.conformance.harness.faults import corrupting  # noqa: E402
 from p2psync.core.control import post  # noqa: E402
 from p2psync.core.errors import TransferError, TransferTimeout  # noqa: E402
 from p2psync.core.session import Session  # noqa: E402
+from p2psync.core.types import TargetId  # noqa: E402
 from p2psync.transports.mooncake.transport import MooncakePeer, MooncakeTransport  # noqa: E402
 
 TIMEOUT = 3.0
 MARGIN = 5.0
 
 
-def session_for(group, model, transport="mooncake", **kwargs) -> Session:
+def session_for(engine_group, model, transport="mooncake", **kwargs) -> Session:
     kwargs.setdefault("bucket_bytes", 1)  # one bucket per parameter: an update has several steps
     kwargs.setdefault("transfer_timeout", TIMEOUT)
     kwargs.setdefault("check", True)
-    return Session(source=FSDP2Source(model), transport=transport, rendezvous=group.rendezvous, **kwargs)
+    return Session(source=FSDP2Source(model), transport=transport, rendezvous=engine_group.rendezvous, **kwargs)
 
 
 def info(session: Session, engine: str) -> dict:
@@ -48,28 +51,27 @@ def perturb(model: torch.nn.Module, step: int) -> None:
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(step)))
 
 
-def test_killed_engine_is_stale_and_the_other_resumes():
-    with engines() as group:
-        group.start("a")
-        group.start("b")
-        model = small_model(0)
-        with session_for(group, model) as session:
-            session.connect(["a", "b"])
-            assert session.bucket_count > 2
+def test_killed_engine_is_stale_and_the_other_resumes(engine_group):
+    engine_group.start("a")
+    engine_group.start("b")
+    model = small_model(0)
+    with session_for(engine_group, model) as session:
+        session.connect(["a", "b"])
+        assert session.bucket_count > 2
 
-            def kill_b(done: int, total: int) -> None:
-                if done == 1:
-                    group.kill("b")
+        def kill_b(done: int, total: int) -> None:
+            if done == 1:
+                engine_group.kill("b")
 
-            start = time.monotonic()
-            report = session.update("v1", progress=kill_b)
-            elapsed = time.monotonic() - start
+        start = time.monotonic()
+        report = session.update("v1", progress=kill_b)
+        elapsed = time.monotonic() - start
 
-            assert report.stale == ["b"], report.format()
-            assert "'b'" in report.engines["b"].error
-            assert report.engines["a"].ok and report.engines["a"].checked
-            assert elapsed < TIMEOUT + MARGIN
-            assert serving(session, "a") == ("v1", True)
+        assert report.stale == ["b"], report.format()
+        assert "'b'" in report.engines["b"].error
+        assert report.engines["a"].ok and report.engines["a"].checked
+        assert elapsed < TIMEOUT + MARGIN
+        assert serving(session, "a") == ("v1", True)
 
 
 class FaultyTransport(MooncakeTransport):
@@ -97,30 +99,55 @@ class FaultyTransport(MooncakeTransport):
         return FaultyPeer(peer.engine, peer.session)
 
 
-def test_stuck_engine_is_stale_and_delays_the_other_by_at_most_one_timeout():
-    with engines() as group:
-        group.start("a")
-        group.start("b")
-        model = small_model(0)
-        transport = FaultyTransport()
-        with session_for(group, model, transport=transport) as session:
-            session.connect(["a", "b"])
-            assert session.bucket_count > 2
+def test_stuck_engine_is_stale_and_delays_the_other_by_at_most_one_timeout(engine_group):
+    engine_group.start("a")
+    engine_group.start("b")
+    model = small_model(0)
+    transport = FaultyTransport()
+    with session_for(engine_group, model, transport=transport) as session:
+        session.connect(["a", "b"])
+        assert session.bucket_count > 2
 
-            def stick_b(done: int, total: int) -> None:
-                transport.stuck = done >= 1
+        def stick_b(done: int, total: int) -> None:
+            transport.stuck = done >= 1
 
-            start = time.monotonic()
-            report = session.update("v1", progress=stick_b)
-            elapsed = time.monotonic() - start
+        start = time.monotonic()
+        report = session.update("v1", progress=stick_b)
+        elapsed = time.monotonic() - start
 
-            assert report.stale == ["b"], report.format()
-            assert "'b'" in report.engines["b"].error and f"{TIMEOUT:.1f} s" in report.engines["b"].error
-            assert report.engines["a"].ok and report.engines["a"].checked
-            assert elapsed < TIMEOUT + MARGIN
-            # Still paused for the update: never resumed with mixed weights.
-            assert (info(session, "b")["updating"], info(session, "b")["serving"]) == ("v1", False)
-            assert serving(session, "a") == ("v1", True)
+        assert report.stale == ["b"], report.format()
+        assert "'b'" in report.engines["b"].error and f"{TIMEOUT:.1f} s" in report.engines["b"].error
+        assert report.engines["a"].ok and report.engines["a"].checked
+        assert elapsed < TIMEOUT + MARGIN
+        # Still paused for the update: never resumed with mixed weights.
+        assert (info(session, "b")["updating"], info(session, "b")["serving"]) == ("v1", False)
+        assert serving(session, "a") == ("v1", True)
+
+
+def test_a_rank_corrupted_after_its_writes_is_stale_by_name_and_stays_paused(engine_group):
+    """One wrong byte lands on engine b's rank after p2psync's writes, before the digest check."""
+    engine_group.start("a")
+    engine_group.start("b")
+    model = small_model(0)
+    transport = corrupting(MooncakeTransport, TargetId("b", 0))()
+    with session_for(engine_group, model, transport=transport) as session:
+        session.connect(["a", "b"])
+        assert session.update("v1").ok
+
+        transport.armed = True
+        perturb(model, 1)
+        report = session.update("v2")
+        assert report.stale == ["b"], report.format()
+        assert re.search(r"engine 'b' rank 0 parameter '[\w.]+': digest mismatch after write", report.engines["b"].error)
+        assert report.engines["a"].ok and report.engines["a"].checked
+        # Still paused for the update, on no version it serves: never resumed with a wrong byte.
+        assert (info(session, "b")["updating"], info(session, "b")["serving"]) == ("v2", False)
+        assert serving(session, "a") == ("v2", True)
+
+        transport.armed = False
+        perturb(model, 2)
+        assert session.update("v3").ok  # the next update repairs it
+        assert serving(session, "b") == ("v3", True)
 
 
 def rss_bytes() -> int:
@@ -128,37 +155,36 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-def test_fifty_updates_with_failures_leak_nothing():
-    with engines(width=64) as group:
-        group.start("a")
-        group.start("b")
-        model = small_model(0, width=64)
-        transport = FaultyTransport()
-        with session_for(group, model, transport=transport) as session:
-            session.connect(["a", "b"])
-            session.update("warm-up")
-            gc.collect()
-            threads, registered, rss = threading.active_count(), len(transport._registered), rss_bytes()
-            for step in range(50):
-                transport.failing = step % 3 == 0
-                perturb(model, step)
-                report = session.update(f"v{step}")
-                assert report.engines["a"].ok, report.format()
-                assert report.engines["b"].ok is not transport.failing, report.format()
-            gc.collect()
-            assert threading.active_count() == threads
-            assert len(transport._registered) == registered
-            assert rss_bytes() - rss < 64 << 20
-            assert info(session, "b")["version"] == "v49"
+def test_fifty_updates_with_failures_leak_nothing(engine_group):
+    engine_group.width = 64
+    engine_group.start("a")
+    engine_group.start("b")
+    model = small_model(0, width=64)
+    transport = FaultyTransport()
+    with session_for(engine_group, model, transport=transport) as session:
+        session.connect(["a", "b"])
+        session.update("warm-up")
+        gc.collect()
+        threads, registered, rss = threading.active_count(), len(transport._registered), rss_bytes()
+        for step in range(50):
+            transport.failing = step % 3 == 0
+            perturb(model, step)
+            report = session.update(f"v{step}")
+            assert report.engines["a"].ok, report.format()
+            assert report.engines["b"].ok is not transport.failing, report.format()
+        gc.collect()
+        assert threading.active_count() == threads
+        assert len(transport._registered) == registered
+        assert rss_bytes() - rss < 64 << 20
+        assert info(session, "b")["version"] == "v49"
 
 
-def test_two_hundred_verified_updates_without_a_mismatch():
-    with engines() as group:
-        group.start("a")
-        model = small_model(0)
-        with session_for(group, model, bucket_bytes=16 << 10) as session:
-            session.connect(["a"])
-            for step in range(200):
-                perturb(model, step)
-                report = session.update(f"v{step}")
-                assert report.ok and report.engines["a"].checked, report.format()
+def test_two_hundred_verified_updates_without_a_mismatch(engine_group):
+    engine_group.start("a")
+    model = small_model(0)
+    with session_for(engine_group, model, bucket_bytes=16 << 10) as session:
+        session.connect(["a"])
+        for step in range(200):
+            perturb(model, step)
+            report = session.update(f"v{step}")
+            assert report.ok and report.engines["a"].checked, report.format()

@@ -1,5 +1,7 @@
-"""FSDP2 gathers: all-at-once dim-0 gathers equal the full tensors, casting before gathering
-equals casting after; the session narrows only what every reading group merely copies."""
+"""FSDP2 gathers: all-at-once dim-0 gathers equal the full tensors and torch's own full state
+dict (`get_model_state_dict`, the round trips' oracle, which catches a gather returning a wrong
+shard), casting before gathering equals casting after; the session narrows only what every
+reading group merely copies."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 from p2psync.core.layout import Layout, ParamGroup
 from p2psync.core.session import _narrower_dtypes
 from p2psync.core.types import ParamSpec
-from p2psync.demo import free_port
+from p2psync.conformance.harness import free_port
 
 #: Uneven first dimensions over 2 ranks (torch.chunk leaves the last shard shorter), 1-D to 3-D.
 SHAPES = [(5,), (7, 3), (1, 4), (4, 4, 2), (3,)]
@@ -20,9 +22,16 @@ SHAPES = [(5,), (7, 3), (1, 4), (4, 4, 2), (3,)]
 
 def _rank(rank: int, port: int, failures: mp.Queue) -> None:
     import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import fully_shard
 
     from p2psync.adapters.fsdp2 import FSDP2Source
+
+    class WrongShard(FSDP2Source):
+        """A gather whose dim-0 shards come back in the wrong order."""
+
+        def gather_cast(self, names, dtypes):  # noqa: ANN001, ANN202
+            return {n: t.roll(t.shape[0] // 2, 0) for n, t in super().gather_cast(names, dtypes).items()}
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(0)
@@ -41,7 +50,11 @@ def _rank(rank: int, port: int, failures: mp.Queue) -> None:
     cast = source.gather_cast(list(full), narrow)
     bad = [n for n in full if not torch.equal(got[n], full[n])]
     bad += [f"{n} cast" for n in full if not torch.equal(cast[n], full[n].to(torch.bfloat16) if n in narrow else full[n])]
-    failures.put((rank, bad))
+    oracle = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    bad += [f"{n} vs torch's state dict" for n in full if not torch.equal(got[n], oracle[n])]
+    wrong = WrongShard(model).gather(list(full))
+    missed = [n for n in full if full[n].shape[0] > 1 and torch.equal(wrong[n], oracle[n])]
+    failures.put((rank, bad + [f"{n}: a wrong shard went unnoticed" for n in missed]))
     dist.destroy_process_group()
 
 

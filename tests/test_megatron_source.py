@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("megatron.core", reason="the Megatron source tests need megatron-core (extra 'megatron')")
 pytest.importorskip("transformers", reason="the Megatron source tests compare with transformers models")
 
-from megatron_harness import Case, check_forward, run_world  # noqa: E402
+from tests.helpers.megatron import Case, check_forward, run_world  # noqa: E402
 
 CASES = [
     Case("qwen3", tp=2),

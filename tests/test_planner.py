@@ -216,10 +216,7 @@ def test_sglang_meta_shapes_equal_analytic() -> None:
     ok, why = sglang_available()
     if not ok:
         pytest.skip(f"sglang cannot be used here: {why}")
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from sglang_models import config_dict, hf_config
+    from tests.helpers.sglang_models import config_dict, hf_config
 
     cases = [(config_dict(hf_config(kind)), tp, ep) for kind, tp, ep in
              [("qwen2", 2, 1), ("qwen3", 2, 1), ("qwen3_moe", 2, 2), ("qwen3_moe", 4, 2), ("deepseek_v3", 2, 2),

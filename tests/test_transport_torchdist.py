@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from transport_harness import ENGINE_ID, assert_same, engine, expected_after, multi_range_batch
+from tests.helpers.transport import ENGINE_ID, assert_same, engine, expected_after, multi_range_batch
 
 from p2psync.core.errors import TransferError, TransferTimeout
 from p2psync.core.rendezvous import Rendezvous

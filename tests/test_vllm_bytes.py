@@ -12,7 +12,7 @@ pytest.importorskip("transformers", reason="transformers is not installed")
 from collections import defaultdict  # noqa: E402
 
 import torch  # noqa: E402
-from vllm_helpers import checkpoint, engine_rank, specs  # noqa: E402
+from tests.helpers.vllm_helpers import checkpoint, engine_rank, specs  # noqa: E402
 
 from p2psync.adapters.vllm.target import VllmEngineTarget  # noqa: E402
 from p2psync.layouts.layout import EngineLayout  # noqa: E402

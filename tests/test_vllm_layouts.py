@@ -10,7 +10,7 @@ pytest.importorskip("transformers", reason="transformers is not installed")
 from collections.abc import Mapping  # noqa: E402
 
 import torch  # noqa: E402
-from vllm_helpers import checkpoint, engine_rank, specs  # noqa: E402
+from tests.helpers.vllm_helpers import checkpoint, engine_rank, specs  # noqa: E402
 
 from p2psync.adapters.vllm.target import VllmEngineTarget  # noqa: E402
 from p2psync.core.layout import Layout  # noqa: E402

@@ -85,9 +85,11 @@ def start_rank(index: int, opts: BenchOptions, port: int) -> EngineRank:
     import torch
 
     if opts.engine == "torch":
-        from ..demo import start_engine
+        from ..conformance.harness import start_engine
+        from ..demo import world_options
 
-        _, endpoint = start_engine(index, opts, port)
+        endpoint = start_engine(index, world_options(opts), port).endpoint
+        assert endpoint is not None
         params = endpoint.params
 
         def copy(items: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -117,11 +119,11 @@ def start_rank(index: int, opts: BenchOptions, port: int) -> EngineRank:
 def start_trainer(rank: int, opts: BenchOptions, port: int) -> tuple[Rendezvous, Any]:
     """Join the trainer world; return the rendezvous and the FSDP2 source of the model."""
     from ..adapters.fsdp2 import FSDP2Source
-    from ..demo import join_trainer_world
-    from ..demo import start_trainer as start_demo_trainer
+    from ..conformance.harness import join_trainer_world, start_fsdp2
+    from ..demo import world_options
 
     if opts.engine == "torch":
-        rendezvous, module = start_demo_trainer(rank, opts, port)
+        rendezvous, module = start_fsdp2(rank, world_options(opts), port)
         return rendezvous, FSDP2Source(module)
     from . import model
 

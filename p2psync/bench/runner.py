@@ -16,8 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..demo import DemoOptions, launch
+from ..conformance.harness import launch
 from ..core.types import ParamSpec, numel
+from ..demo import DemoOptions
 from . import broadcast, engines, limits, results, rss, verify
 from .report import summary
 from .ways import WAYS, BroadcastWay, P2PWay, Way, make_ways

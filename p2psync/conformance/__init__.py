@@ -5,19 +5,15 @@ fixtures (`TransportTests.make_transport`, `EngineTargetTests.engine_case`,
 `TrainerSourceTests.source_case`, `RoundTripTests.round_trip`); pytest collects
 the inherited tests. The pytest plugin (`p2psync.conformance.plugin`, loaded
 through the `pytest11` entry point) adds the options that pick adapters and the
-trainer x engine x transport table at the end of a run.
+trainer x engine x transport table at the end of a run. `harness` starts the
+trainer and engine processes that round trips run (and the demo and the bench).
+
+The base classes import pytest, so they load on first use: the harness runs without it.
 """
 
-from .base import (
-    EngineCase,
-    EngineTargetTests,
-    RoundTrip,
-    RoundTripTests,
-    SourceCase,
-    TrainerSourceTests,
-    TransportTests,
-    require_device,
-)
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = [
     "EngineCase",
@@ -29,3 +25,11 @@ __all__ = [
     "TransportTests",
     "require_device",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from . import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

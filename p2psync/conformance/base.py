@@ -115,11 +115,15 @@ class TransportTests:
 
 @dataclass
 class EngineCase:
-    """A target table, the trainer's HF tensors, and the bytes the engine's own
-    loader produced on that rank from them (parameter name -> tensor)."""
+    """A target table, the trainer's HF tensors, the bytes that rank held before its loader
+    ran (`initial`) and the bytes the engine's own loader produced on that rank from the
+    tensors (`expected`), parameter name -> tensor. Where the loader leaves a region alone
+    (padding), `expected` holds the initial bytes there: pick initial bytes that no correct
+    load produces (e.g. 0xA5 everywhere), so that a layout writing there shows."""
 
     table: TargetTable
     sources: dict[str, torch.Tensor]
+    initial: dict[str, torch.Tensor]
     expected: dict[str, torch.Tensor]
     layout: Callable[[TargetTable, Mapping[str, ParamSpec]], Layout]
 
@@ -141,6 +145,34 @@ def specs_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, ParamSpec]:
     return {n: ParamSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in tensors.items()}
 
 
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_layout_reproduces_the_loader(case: EngineCase) -> None:
+    """Every byte of every parameter of the rank, after the layout's writes land on the rank's
+    initial bytes, equals what the engine's own loader left there (regions the layout does
+    not write must hold what the loader left too, i.e. the loader left them alone)."""
+    layout = case.layout(case.table, specs_of(case.sources))
+    params = {p.name: p for p in case.table.params}
+    assert set(case.expected) == set(params), "the case's expected bytes must name every parameter of the table"
+    held = {n: as_bytes(case.initial[n]).clone() for n in params}
+    for name, p in params.items():
+        assert held[name].numel() == p.nbytes, f"{name}: initial bytes are not the parameter's size"
+    for group in layout.groups():
+        out = torch.zeros(group.nbytes, dtype=torch.uint8)
+        for r in layout.fill(group, case.sources, out):
+            assert 0 <= r.param_offset and r.param_offset + r.nbytes <= params[r.param].nbytes, r
+            held[r.param][r.param_offset : r.param_offset + r.nbytes] = out[r.buffer_offset : r.buffer_offset + r.nbytes]
+    for name in params:
+        want = as_bytes(case.expected[name])
+        differ = (held[name] != want).nonzero()
+        assert differ.numel() == 0, (
+            f"{case.table.engine_id} rank {case.table.rank} parameter {name!r}: {differ.numel()} of {want.numel()} "
+            f"bytes differ from the engine's own loader, the first at byte {differ[0].item()}"
+        )
+
+
 class EngineTargetTests:
     """Every engine target: its layout reproduces, bit for bit, what the engine's own
     loader writes on that rank. Provide `engine_case` (an EngineCase)."""
@@ -157,29 +189,17 @@ class EngineTargetTests:
             assert set(group.inputs) <= set(engine_case.sources), group
 
     def test_layout_bytes_equal_the_engine_loader(self, engine_case: EngineCase) -> None:
-        layout = engine_case.layout(engine_case.table, specs_of(engine_case.sources))
-        params = {p.name: p for p in engine_case.table.params}
-        held = {n: torch.zeros(p.nbytes, dtype=torch.uint8) for n, p in params.items()}
-        written = {n: torch.zeros(p.nbytes, dtype=torch.bool) for n, p in params.items()}
-        for group in layout.groups():
-            out = torch.zeros(group.nbytes, dtype=torch.uint8)
-            for r in layout.fill(group, engine_case.sources, out):
-                held[r.param][r.param_offset : r.param_offset + r.nbytes] = out[r.buffer_offset : r.buffer_offset + r.nbytes]
-                written[r.param][r.param_offset : r.param_offset + r.nbytes] = True
-        for name, expected in engine_case.expected.items():
-            want = expected.contiguous().reshape(-1).view(torch.uint8)
-            mask = written[name]
-            assert mask.any(), f"{name}: nothing written"
-            assert torch.equal(held[name][mask], want[mask]), f"{name}: bytes differ from the engine's loader"
+        assert_layout_reproduces_the_loader(engine_case)
 
     @pytest.mark.parametrize("world", [2, 3])
     def test_each_trainer_shard_writes_its_own_part_without_a_gather(self, engine_case: EngineCase, world: int) -> None:
         """Gather-free: with every HF tensor split by rows over `world` trainer ranks (as FSDP2
         shards), each rank's `copy_runs`, the constants and the groups that must be gathered
-        write exactly the bytes the engine's loader writes, and nothing outside them."""
+        write exactly the regions the layout writes, and, landed on the rank's initial bytes,
+        leave every byte the engine's loader leaves."""
         layout = engine_case.layout(engine_case.table, specs_of(engine_case.sources))
         params = {p.name: p for p in engine_case.table.params}
-        held = {n: torch.zeros(p.nbytes, dtype=torch.uint8) for n, p in params.items()}
+        held = {n: as_bytes(engine_case.initial[n]).clone() for n in params}
         wrote = {n: torch.zeros(p.nbytes, dtype=torch.bool) for n, p in params.items()}
         loader = {n: torch.zeros(p.nbytes, dtype=torch.bool) for n, p in params.items()}
 
@@ -206,10 +226,10 @@ class EngineTargetTests:
                     src = engine_case.sources[run.source].reshape(-1)[run.source_offset : run.source_offset + run.numel]
                     size = dtype.itemsize
                     put(run.param, run.param_offset * size, src.to(dtype).view(torch.uint8))
-        for name, expected in engine_case.expected.items():
-            want = expected.contiguous().reshape(-1).view(torch.uint8)
-            assert torch.equal(wrote[name], loader[name]), f"{name}: gather-free writes other bytes than the loader"
-            assert torch.equal(held[name][wrote[name]], want[wrote[name]]), f"{name}: gather-free bytes differ"
+        for name in params:
+            assert torch.equal(wrote[name], loader[name]), f"{name}: gather-free writes other regions than the layout"
+            same = torch.equal(held[name], as_bytes(engine_case.expected[name]))
+            assert same, f"{name}: gather-free bytes differ from the engine's loader"
 
     def test_a_shape_the_trainer_does_not_have_is_refused(self, engine_case: EngineCase) -> None:
         name, tensor = next(iter(engine_case.sources.items()))
@@ -263,13 +283,16 @@ class RoundTripTests:
     def round_trip(self) -> RoundTrip:
         raise NotImplementedError("subclasses provide round_trip")
 
-    def test_every_engine_holds_the_expected_bytes(self, round_trip) -> None:
-        results = round_trip()
-        assert results, "no engine reported its weights"
-        for engine, (expected, held) in results.items():
-            assert held.keys() == expected.keys(), engine
-            for name, tensor in expected.items():
-                assert held[name].dtype == tensor.dtype, (engine, name)
-                assert torch.equal(
-                    held[name].contiguous().view(torch.uint8), tensor.contiguous().view(torch.uint8)
-                ), (engine, name)
+    def test_every_engine_holds_the_expected_bytes(self, round_trip: RoundTrip) -> None:
+        assert_engines_hold(round_trip())
+
+
+def assert_engines_hold(results: Mapping[str, tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]]) -> None:
+    """Per engine rank, the held tensors are the expected ones: same names, dtypes and every byte."""
+    assert results, "no engine reported its weights"
+    for engine, (expected, held) in results.items():
+        assert held.keys() == expected.keys(), engine
+        for name, tensor in expected.items():
+            assert held[name].dtype == tensor.dtype, (engine, name)
+            same = torch.equal(as_bytes(held[name]), as_bytes(tensor))
+            assert same, f"{engine} parameter {name!r}: bytes differ from the engine's own loader's"

@@ -1,14 +1,18 @@
 """pytest plugin of the conformance suite (entry point `pytest11: p2psync`).
 
-Test classes declare what they exercise with a class attribute, e.g.
-`conformance = {"trainer": "fsdp2", "engine": "torch", "transport": "mooncake"}`;
-a test parametrized over an argument named `trainer`, `engine` or `transport`
-takes that part of its combination from the parameter; `device` (cpu, cuda: the
-GPU variants) likewise, cpu where a test does not say.
-Options (or $P2PSYNC_TRAINER / $P2PSYNC_ENGINE / $P2PSYNC_TRANSPORT, comma
-separated) keep only the chosen adapters; the run ends with a table of every
-combination: passed, failed, or skipped with the reason. A skip never counts as
-a pass.
+Tests declare what they exercise: a class attribute, e.g. `conformance = {"trainer":
+"fsdp2", "engine": "torch", "transport": "mooncake"}`, or a marker on a function,
+`@pytest.mark.conformance(trainer=..., engine=..., transport=..., via=...)` (`via`: the
+integration a test goes through, e.g. "verl"). A test parametrized over an argument named
+`trainer`, `engine`, `transport`, `device` or `via` takes that part of its combination
+from the parameter; device is cpu where a test does not say.
+
+Options (or $P2PSYNC_TRAINER / ... comma separated) keep only the chosen adapters;
+`--p2psync-env NAME` keeps exactly the combinations that the expectations file (ini
+option `p2psync_expectations`, a JSON file read by `table.py`) lists for environment NAME.
+The run ends with a table of every combination: passed, failed, skipped with the reason,
+or missing (expected, not run); `--p2psync-results FILE` writes it for `table.py`. A skip
+never counts as a pass.
 """
 
 from __future__ import annotations
@@ -21,10 +25,7 @@ from typing import Any
 
 import pytest
 
-from .table import Outcome, format_table, merge
-
-KINDS = ("trainer", "engine", "transport", "device")
-_OUTCOMES: dict[str, Outcome] = {}
+from .table import KINDS, Key, Outcome, format_table, key_of, load_expectations, merge
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -34,7 +35,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
             f"--p2psync-{kind}", action="append", default=None, metavar="NAME",
             help=f"run only conformance tests of this {kind} (repeatable; default: all, or ${_env(kind)})",
         )
+    group.addoption("--p2psync-env", metavar="NAME", help="run exactly the combinations expected of environment NAME")
     group.addoption("--p2psync-results", metavar="FILE", help="write the combination outcomes to FILE (JSON)")
+    parser.addini("p2psync_expectations", "JSON file: per environment, the combinations it must run", default="")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "conformance(**parts): the trainer/engine/transport/device/via combination a test exercises"
+    )
+    config.pluginmanager.register(Recorder(config), "p2psync-conformance-recorder")
 
 
 def _env(kind: str) -> str:
@@ -51,16 +61,36 @@ def picks(config: pytest.Config) -> dict[str, set[str] | None]:
 
 
 def combination(item: pytest.Item) -> dict[str, str] | None:
+    """What `item` exercises (see the module docstring), or None for a test outside the matrix."""
     declared = getattr(getattr(item, "cls", None), "conformance", None)
+    marker = item.get_closest_marker("conformance")
+    if marker is not None:
+        declared = {**(declared or {}), **marker.kwargs}
     if declared is None:
         return None
     params = getattr(getattr(item, "callspec", None), "params", {})
     return {"device": "cpu", **declared, **{k: str(params[k]) for k in KINDS if k in params}}
 
 
+def expected(config: pytest.Config) -> list[Key] | None:
+    """The combinations expected of `--p2psync-env`, or None without one."""
+    env = config.getoption("--p2psync-env")
+    if not env:
+        return None
+    path = config.getini("p2psync_expectations")
+    if not path:
+        raise pytest.UsageError("--p2psync-env needs the ini option p2psync_expectations (the expectations file)")
+    expectations = load_expectations(Path(config.rootpath, path))
+    if env not in expectations:
+        raise pytest.UsageError(f"the expectations file {path} has no environment {env!r}")
+    return expectations[env]
+
+
 def pytest_report_header(config: pytest.Config) -> list[str]:
     chosen = picks(config)
     lines = ["p2psync conformance: " + ", ".join(f"{k}={','.join(sorted(v)) if v else 'all'}" for k, v in chosen.items())]
+    if config.getoption("--p2psync-env"):
+        lines.append(f"p2psync conformance environment: {config.getoption('--p2psync-env')}")
     versions = []
     for package in ("p2psync", "torch", "mooncake-transfer-engine-non-cuda", "nixl-cu12", "sglang", "vllm", "megatron-core"):
         try:
@@ -71,42 +101,75 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return lines
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    chosen = picks(config)
-    keep, drop = [], []
-    for item in items:
+class Recorder:
+    """One run's combinations: selects them, records their outcomes, writes and prints the table."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.expected = expected(config)
+        self.outcomes: dict[Key, Outcome] = {}
+        self.collect_skips: list[str] = []
+
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        chosen = picks(config)
+        wanted_keys = self.expected
+        keep, drop = [], []
+        for item in items:
+            combo = combination(item)
+            wanted = combo is None or all(
+                chosen[k] is None or combo.get(k) is None or combo[k] in chosen[k] for k in KINDS
+            )
+            if combo is not None and wanted_keys is not None:
+                wanted = wanted and key_of(combo) in wanted_keys
+            (keep if wanted else drop).append(item)
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = keep
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        """A module skipped or failing at import leaves no items: say so where its rows are missing."""
+        if report.skipped and isinstance(report.longrepr, tuple):
+            self.collect_skips.append(f"{report.nodeid} skipped: {str(report.longrepr[2]).removeprefix('Skipped: ')}")
+        elif report.failed:
+            last = str(report.longrepr).strip().splitlines()[-1:] or ["?"]
+            self.collect_skips.append(f"{report.nodeid} failed to import: {last[0].removeprefix('E   ').strip()}")
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[Any]):
+        outcome = yield
+        report = outcome.get_result()
         combo = combination(item)
-        wanted = combo is None or all(
-            chosen[k] is None or combo.get(k) is None or combo[k] in chosen[k] for k in KINDS
-        )
-        (keep if wanted else drop).append(item)
-    if drop:
-        config.hook.pytest_deselected(items=drop)
-        items[:] = keep
+        if combo is None or (report.when != "call" and not report.failed and not report.skipped):
+            return
+        status = "passed" if report.passed else "failed" if report.failed else "skipped"
+        reason = ""
+        if report.skipped and isinstance(report.longrepr, tuple):
+            reason = str(report.longrepr[2]).removeprefix("Skipped: ")
+        key = key_of(combo)
+        self.outcomes[key] = merge(self.outcomes.get(key), Outcome(status, reason))
 
+    def rows(self) -> dict[Key, Outcome]:
+        """This run's outcomes, and the expected combinations it did not run as missing."""
+        out = dict(self.outcomes)
+        for key in self.expected or []:
+            out.setdefault(key, Outcome("missing", "; ".join(self.collect_skips) or "not collected or deselected"))
+        return out
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]):
-    outcome = yield
-    report = outcome.get_result()
-    combo = combination(item)
-    if combo is None or (report.when != "call" and not report.failed and not report.skipped):
-        return
-    key = json.dumps({k: combo.get(k, "-") for k in KINDS}, sort_keys=True)
-    status = "passed" if report.passed else "failed" if report.failed else "skipped"
-    reason = ""
-    if report.skipped and isinstance(report.longrepr, tuple):
-        reason = str(report.longrepr[2]).removeprefix("Skipped: ")
-    _OUTCOMES[key] = merge(_OUTCOMES.get(key), Outcome(status, reason))
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        path = self.config.getoption("--p2psync-results")
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(json.dumps({
+                "env": self.config.getoption("--p2psync-env") or Path(path).stem,
+                "exitstatus": int(exitstatus),
+                "rows": [[*k, v.status, v.reason] for k, v in sorted(self.rows().items())],
+                "collect_skips": self.collect_skips,
+            }, indent=1))
 
-
-def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
-    if not _OUTCOMES:
-        return
-    rows = {tuple(json.loads(k)[kind] for kind in KINDS): v for k, v in _OUTCOMES.items()}
-    terminalreporter.section("p2psync conformance: trainer x engine x transport")
-    terminalreporter.write_line(format_table(rows))
-    path = config.getoption("--p2psync-results")
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps([[*k, v.status, v.reason] for k, v in rows.items()], indent=1))
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        table = self.rows()
+        if not table:
+            return
+        env = self.config.getoption("--p2psync-env") or "this run"
+        terminalreporter.section("p2psync conformance: trainer x engine x transport x device x via")
+        terminalreporter.write_line(format_table({k: (env, v) for k, v in table.items()}))

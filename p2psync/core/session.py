@@ -8,12 +8,12 @@ calls (pause, and finish for the engines whose writes all landed).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from typing import Any
 
 from . import collectives
@@ -165,7 +165,7 @@ class Session:
         self.group = source.sender_group()
         # Caches that a refused connect may fill but never spoils:
         self._targets: dict[str, EngineTarget] = {}
-        self._layouts: dict[str, tuple[str, Layout]] = {}  # unit -> (parameter fingerprint, layout)
+        self._layouts: dict[str, tuple[tuple[Any, ...], Layout]] = {}  # unit -> (its parameters, layout)
         self._conn: _Connection | None = None
         self._heartbeat = Heartbeat(rendezvous, self.rank, collectives.world_size())
         self._broken: str | None = None  # why update cannot run again
@@ -276,14 +276,15 @@ class Session:
     def _all_specs(self) -> tuple[dict[str, ParamSpec], dict[str, ParamSpec]]:
         """The HF tensors of every sender group, and of this rank's group."""
         mine = {s.name: s for s in self.source.param_specs()}
-        union: dict[str, ParamSpec] = {}
-        for group_specs in collectives.all_gather(list(mine.values())):
-            for spec in group_specs:
-                if union.setdefault(spec.name, spec) != spec:
+        union: dict[str, tuple[int, ParamSpec]] = {}
+        for rank, rank_specs in enumerate(collectives.all_gather(list(mine.values()))):
+            for spec in rank_specs:
+                first, seen = union.setdefault(spec.name, (rank, spec))
+                if seen != spec:
                     raise ConnectError(
-                        f"trainer ranks disagree on HF tensor {spec.name!r}: {union[spec.name]} and {spec}"
+                        f"trainer ranks {first} and {rank} disagree on HF tensor {spec.name!r}: {seen} and {spec}"
                     )
-        return union, mine
+        return {name: spec for name, (_, spec) in union.items()}, mine
 
     def _prepare(self, conn: _Connection, specs: dict[str, ParamSpec], mine: dict[str, ParamSpec]) -> None:
         """Fill `conn` for its tables, reusing what the current connection has."""
@@ -294,9 +295,10 @@ class Session:
             for table in engine_tables:
                 self._check_table(table)
                 unit = unit_of(table.layout_key_text, table.rank)
+                layout = self._layout(table, specs)  # also for later tables of a unit: their parameters must match
                 if unit not in units:
-                    units[unit] = _Unit(unit, self._layout(table, specs))
-                    groups_of[unit] = self._own_groups(table, units[unit].layout, mine)
+                    units[unit] = _Unit(unit, layout)
+                    groups_of[unit] = self._own_groups(table, layout, mine)
 
         plan_targets = [
             PlanTarget(table.target, unit, sum(g.nbytes for g in groups_of[unit]))
@@ -349,15 +351,14 @@ class Session:
     def _layout(self, table: TargetTable, specs: dict[str, ParamSpec]) -> Layout:
         """The layout of the table's layout key and rank, built once and reused."""
         unit = unit_of(table.layout_key_text, table.rank)
-        fingerprint = hashlib.sha256(
-            repr([(p.name, p.shape, p.dtype, p.nbytes) for p in table.params]).encode()
-        ).hexdigest()
+        params = tuple((p.name, p.shape, p.dtype, p.nbytes) for p in table.params)
         cached = self._layouts.get(unit)
         if cached is not None:
-            if cached[0] != fingerprint:
+            if cached[0] != params:
+                differ = next((a or b)[0] for a, b in zip_longest(params, cached[0]) if a != b)
                 raise ConnectError(
-                    f"{where(table.engine_id, table.rank)} has the layout key of another engine rank "
-                    f"but different parameters"
+                    f"{where(table.engine_id, table.rank, differ)} differs from the parameter of another engine "
+                    f"rank with the same layout key"
                 )
             return cached[1]
         if table.engine not in self._targets:
@@ -368,7 +369,7 @@ class Session:
             except P2PSyncError as exc:
                 raise ConnectError(f"{where(table.engine_id, table.rank)}: {exc}") from exc
         layout = self._targets[table.engine].layout(table, specs)
-        self._layouts[unit] = (fingerprint, layout)
+        self._layouts[unit] = (params, layout)
         return layout
 
     def _own_groups(self, table: TargetTable, layout: Layout, mine: dict[str, ParamSpec]) -> list[ParamGroup]:

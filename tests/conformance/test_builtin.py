@@ -1,4 +1,8 @@
-"""The built-in adapters and transports through the conformance suite."""
+"""The built-in adapters and transports through the conformance suite (environment
+conformance-torch; Megatron-Bridge in environment bridge): every transport, the torch
+engine's layout, the FSDP2 source, and FSDP2, Megatron-Core (TP 2) and Megatron-Bridge
+(TP 2 x PP 2) trainers -> two torch engines over every transport, all against one torch
+engine world per device."""
 
 from __future__ import annotations
 
@@ -17,13 +21,7 @@ from p2psync.conformance import (
 from p2psync.core.devices import DEVICES
 from p2psync.core.plugins import registry
 from p2psync.core.types import TargetParam, TargetTable
-
-#: Transport name -> module that must import for it to run here.
-TRANSPORTS = {"mooncake": "mooncake.engine", "nixl": "nixl_cu12", "samehost": "torch", "torchdist": "torch.distributed"}
-
-
-def need(module: str, what: str) -> None:
-    pytest.importorskip(module, reason=f"{what} needs {module}, which is not installed")
+from tests.helpers.matrix import TRANSPORTS, usable
 
 
 def small_model(seed: int) -> torch.nn.Module:
@@ -31,13 +29,13 @@ def small_model(seed: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 24), torch.nn.LayerNorm(24))
 
 
-@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+@pytest.mark.parametrize("transport", TRANSPORTS)
 class TestTransport(TransportTests):
     conformance: dict[str, str] = {}
 
     @pytest.fixture
     def make_transport(self, transport):
-        need(TRANSPORTS[transport], f"transport {transport}")
+        usable("transports", transport)
         return lambda: registry().transport(transport)()
 
 
@@ -56,9 +54,10 @@ class TestTorchEngine(EngineTargetTests):
                 for n, p in engine.named_parameters()
             ),
         )
+        initial = {n: p.detach().clone() for n, p in engine.named_parameters()}
         engine.load_state_dict(sources)  # the engine's own loader: param.copy_(hf), casting to bf16
         target = registry().engine_target("torch")()
-        return EngineCase(table, sources, dict(engine.state_dict()), target.layout)
+        return EngineCase(table, sources, initial, dict(engine.named_parameters()), target.layout)
 
 
 class TestFSDP2Source(TrainerSourceTests):
@@ -74,28 +73,19 @@ class TestFSDP2Source(TrainerSourceTests):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("trainer", ["fsdp2", "megatron", "megatron-bridge"])
 @pytest.mark.parametrize("device", DEVICES)
-class TestFSDP2ToTorch(RoundTripTests):
-    conformance = {"trainer": "fsdp2", "engine": "torch"}
+class TestToTorch(RoundTripTests):
+    """Oracles: FSDP2's full state dict from torch's `get_model_state_dict`; for Megatron and
+    Megatron-Bridge, the transformers model every rank trains alike and loads into its shards.
+    Engines hold what `load_state_dict` of those makes, and generate as the trainer does."""
+
+    conformance = {"engine": "torch"}
 
     @pytest.fixture
-    def round_trip(self, transport, device, tmp_path):
-        need(TRANSPORTS[transport], f"transport {transport}")
-        need("transformers", "the FSDP2 round trip's model")
-        require_device(device, registry().transport(transport))
-        from p2psync.demo import DemoOptions, run
-
-        def go():
-            result = run(DemoOptions(size="tiny", updates=2, transport=transport, device=device, progress=False,
-                                     bucket_bytes=64 << 10, dump_dir=str(tmp_path)))
-            for report, generations in zip(result["reports"], result["generations"]):
-                assert report.ok and all(e.checked and e.bytes > 0 for e in report.engines.values()), report.format()
-                # Greedy generation on each engine equals the trainer's own after every update.
-                assert generations["engine-0"] == generations["engine-1"] == generations["trainer"], generations
-            trainer = torch.load(tmp_path / "trainer.pt", map_location="cpu")
-            return {
-                e: (trainer, torch.load(tmp_path / f"{e}.pt", map_location="cpu")) for e in ("engine-0", "engine-1")
-            }
-
-        return go
+    def round_trip(self, trainer, transport, device, worlds):
+        require_device(device)
+        if device == "cuda" and trainer != "fsdp2":
+            pytest.skip("the harness builds Megatron trainers on CPU only")
+        return worlds.round_trip(trainer, "torch", transport, device)

@@ -1,34 +1,19 @@
-"""The sglang engine target through the conformance suite (environment `conformance-sglang`):
-TP rank 1 of 2 (vocabulary padding) with both layouts, and FSDP2 or Megatron-Core (TP 2) -> 2 sglang
-engines of TP 2, each rank its own process, bit-exact with sglang's own load of the trainer's final weights."""
+"""The sglang engine target through the conformance suite (environment conformance-sglang):
+TP rank 1 of 2 (vocabulary padding) with both layouts, bit-exact with sglang's own load over
+every byte; FSDP2 and Megatron-Core (TP 2) -> 2 sglang engines of TP 2, each rank its own
+process, over every transport, against one sglang engine world."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
-pytest.importorskip(
-    "sglang", reason="sglang (p2psync[sglang], sglang==0.5.23) is not installed; run `tox -e conformance-sglang`"
-)
-pytest.importorskip("transformers", reason="transformers is not installed")
-pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is not installed")
-
-import json  # noqa: E402
-import sys  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from functools import partial  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the sglang test helpers
-
-from sglang_e2e import TP as E2E_TP  # noqa: E402
-from sglang_e2e import engine_ids, engine_rank, rank_bytes, trainer  # noqa: E402
-from test_builtin import TRANSPORTS, need  # noqa: E402
-
-from p2psync.conformance import EngineCase, EngineTargetTests, RoundTrip, RoundTripTests  # noqa: E402
-from p2psync.demo import DemoOptions, launch  # noqa: E402
-from p2psync.core.types import TargetParam, TargetTable  # noqa: E402
+from p2psync.conformance import EngineCase, EngineTargetTests, RoundTripTests
+from p2psync.conformance.harness.expected import SGLANG_FILL
+from p2psync.core.types import TargetParam, TargetTable
+from tests.helpers.matrix import TRANSPORTS, usable
 
 TP, RANK = 2, 1
 
@@ -39,6 +24,7 @@ class TestSglangEngine(EngineTargetTests):
 
     @pytest.fixture
     def engine_case(self, mode):
+        usable("engine_targets", "sglang")
         import transformers
 
         from p2psync.adapters.sglang.key import layout_key
@@ -52,6 +38,9 @@ class TestSglangEngine(EngineTargetTests):
         torch.manual_seed(0)
         sources = {n: t.normal_() for n, t in transformers.Qwen3ForCausalLM(config).state_dict().items()}
         engine = build_rank_model(RankSpec(json.loads(config.to_json_string(use_diff=False)), TP, 1, "bfloat16", RANK), "cpu")
+        for p in engine.model.parameters():
+            p.data.view(-1).view(torch.uint8).fill_(SGLANG_FILL)
+        initial = {n: p.data.clone() for n, p in engine.model.named_parameters()}
         engine.load(list(sources.items()))  # the engine's own loader on that rank
         key = layout_key(engine.server_args, hf_config_dict(engine.model_config), str(engine.model_config.dtype), require_sglang())
         table = TargetTable(
@@ -64,49 +53,18 @@ class TestSglangEngine(EngineTargetTests):
         )
         target = registry().engine_target("sglang")(layout=mode)
         expected = {n: p.data for n, p in engine.model.named_parameters()}
-        return EngineCase(table=table, sources=sources, expected=expected, layout=target.layout)
-
-
-def sglang_round_trip(transport: str, tmp_path: Path, trainer: Callable[..., None]) -> RoundTrip:
-    """2 `trainer` ranks -> 2 sglang engines of TP 2, 2 updates over `transport`: per engine rank,
-    sglang's own load of the trainer's final HF tensors and the bytes the rank holds."""
-
-    def go():
-        opts = DemoOptions(
-            size="tiny", trainers=2, engines=2 * E2E_TP, updates=2, transport=transport,
-            bucket_bytes=64 << 10, progress=False, dump_dir=str(tmp_path),
-        )
-        result = launch(opts, engine_rank, trainer)
-        assert result["buckets"] > 1
-        for report in result["reports"]:
-            assert report.ok and all(e.checked and e.bytes > 0 for e in report.engines.values()), report.format()
-        return rank_bytes(opts)
-
-    return go
+        return EngineCase(table=table, sources=sources, initial=initial, expected=expected, layout=target.layout)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
-class TestFSDP2ToSglang(RoundTripTests):
-    conformance = {"trainer": "fsdp2", "engine": "sglang"}
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("trainer", ["fsdp2", "megatron"])
+class TestToSglang(RoundTripTests):
+    """Oracles as for torch engines; each rank holds what sglang's own `load_weights` makes of
+    them on that rank (parameters prefilled with 0xA5 bytes on both sides)."""
+
+    conformance = {"engine": "sglang"}
 
     @pytest.fixture
-    def round_trip(self, transport, tmp_path):
-        need(TRANSPORTS[transport], f"transport {transport}")
-        return sglang_round_trip(transport, tmp_path, trainer)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
-class TestMegatronToSglang(RoundTripTests):
-    """Megatron-Core TP 2 (dense Qwen3, the demo's tiny model that the sglang ranks build)."""
-
-    conformance = {"trainer": "megatron", "engine": "sglang"}
-
-    @pytest.fixture
-    def round_trip(self, transport, tmp_path):
-        need(TRANSPORTS[transport], f"transport {transport}")
-        need("megatron.core", "the Megatron trainer (extra 'megatron')")
-        from megatron_harness import e2e_trainer
-
-        return sglang_round_trip(transport, tmp_path, partial(e2e_trainer, engine_ids=engine_ids))
+    def round_trip(self, trainer, transport, worlds):
+        return worlds.round_trip(trainer, "sglang", transport)

@@ -7,6 +7,9 @@ Registers one class of each kind through the `p2psync` entry-point group
 - `CopyEngineTarget`: an engine holding each HF tensor whole under its own name;
 - `LoopbackTransport`: one-sided writes within one process (memmove), for engines
   that run in the trainer's process.
+
+Its tests (tests/) run p2psync's conformance suite against these classes once the
+package is installed, as its authors would: `pip install . && pytest tests`.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -80,8 +84,11 @@ class InProcessControl(EngineControl):
         self.tables = {t.rank: t for t in tables}
         self.version: str | None = None
 
-    def pause(self) -> None:
-        pass
+    def check_access(self) -> None:
+        """The engine lives in this process: nothing to reach."""
+
+    def pause(self, version: str, lease: float) -> None:
+        """Nothing serves from these engines while the trainer runs: nothing to stop."""
 
     def finish(self, version: str) -> None:
         self.version = version
@@ -121,16 +128,23 @@ def _inside(addr: int, length: int, ranges: Sequence[tuple[int, int]]) -> bool:
     return any(a <= addr and addr + length <= a + n for a, n in ranges)
 
 
+#: Engine memory exposed in this process and not closed yet: exposure id -> (address, length) ranges.
+_EXPOSED: dict[str, list[tuple[int, int]]] = {}
+
+
 class LoopbackPeer(Peer):
-    def __init__(self, transport: LoopbackTransport, regions: Sequence[tuple[int, int]]) -> None:
+    def __init__(self, transport: LoopbackTransport, exposure: str) -> None:
         self.transport = transport
-        self.regions = [tuple(r) for r in regions]
+        self.exposure = exposure
 
     def write(self, batch: WriteBatch, *, timeout: float) -> None:
+        regions = _EXPOSED.get(self.exposure)
+        if regions is None:
+            raise TransferError("the engine side closed its transport: nothing is exposed any more")
         for local, remote, length in zip(batch.local, batch.remote, batch.lengths):
             if not _inside(local, length, list(self.transport.buffers.items())):
                 raise TransferError(f"local range {local:#x}+{length} is not in a registered buffer")
-            if not _inside(remote, length, self.regions):
+            if not _inside(remote, length, regions):
                 raise TransferError(f"remote range {remote:#x}+{length} is not exposed")
             ctypes.memmove(remote, local, length)
 
@@ -143,9 +157,13 @@ class LoopbackTransport(Transport):
     def __init__(self, *, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(options=options)
         self.buffers: dict[int, int] = {}
+        self.exposures: list[str] = []
 
     def expose(self, tensors: Sequence[Any]) -> dict[str, Any]:
-        return {"pid": os.getpid(), "regions": [list(_span(t)) for t in tensors]}
+        exposure = uuid.uuid4().hex
+        _EXPOSED[exposure] = [_span(t) for t in tensors]
+        self.exposures.append(exposure)
+        return {"pid": os.getpid(), "exposure": exposure}
 
     def register_buffer(self, buffer: Any) -> None:
         addr, nbytes = _span(buffer)
@@ -157,10 +175,13 @@ class LoopbackTransport(Transport):
     def open(self, table: TargetTable) -> Peer:
         if table.transport_info.get("pid") != os.getpid():
             raise TransferError(f"{where(table.engine_id, table.rank)} lives in another process")
-        return LoopbackPeer(self, table.transport_info["regions"])
+        return LoopbackPeer(self, table.transport_info["exposure"])
 
     def close(self) -> None:
         self.buffers.clear()
+        for exposure in self.exposures:
+            _EXPOSED.pop(exposure, None)
+        self.exposures.clear()
 
 
 # -- registration ---------------------------------------------------------------------------

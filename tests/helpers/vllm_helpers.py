@@ -13,6 +13,7 @@ import torch
 
 from p2psync.adapters.vllm import shim
 from p2psync.adapters.vllm.key import layout_key
+from p2psync.conformance.harness.expected import vllm_loaded
 from p2psync.core.types import ParamSpec, TargetParam, TargetTable
 
 #: Tiny configs: KV heads fewer than some TP sizes (replication), vocab not a multiple of
@@ -91,15 +92,6 @@ def hf_config_dict(kind: str) -> dict[str, Any]:
     return json.loads(hf_config(kind).to_json_string(use_diff=False))
 
 
-def vllm_loaded(config: Any, rank: int, tensors: Mapping[str, torch.Tensor]) -> torch.nn.Module:
-    """vLLM's model of `rank` on CPU, parameters zeroed, then vLLM's own load of `tensors`."""
-    model = shim.build_model(config, rank, "cpu")
-    for p in model.parameters():
-        p.data.zero_()
-    shim.load_weights(model, config, rank, tensors.items())
-    return model
-
-
 @lru_cache(maxsize=None)
 def checkpoint(kind: str) -> dict[str, torch.Tensor]:
     """The HF tensors the layout tests load (seed 0), made once per process."""
@@ -107,11 +99,12 @@ def checkpoint(kind: str) -> dict[str, torch.Tensor]:
 
 
 def engine_rank(
-    kind: str, tp: int, rank: int, tensors: Mapping[str, torch.Tensor]
+    kind: str, tp: int, rank: int, tensors: Mapping[str, torch.Tensor], fill: int = 0
 ) -> tuple[dict[str, torch.Tensor], TargetTable]:
-    """What vLLM itself holds on `rank` after loading `tensors` into zeroed parameters, and that rank's table."""
+    """What vLLM itself holds on `rank` after loading `tensors` into parameters whose every byte
+    was `fill`, and that rank's table."""
     config = shim.engine_config(hf_config_dict(kind), tp=tp, dtype="bfloat16")
-    params = {name: p.data for name, p in vllm_loaded(config, rank, tensors).named_parameters()}
+    params = {name: p.data for name, p in vllm_loaded(config, rank, tensors, fill).named_parameters()}
     table = TargetTable(
         engine_id="engine", rank=rank, world_size=tp, engine="vllm", layout_key=layout_key(config),
         transport="none", transport_info={}, control_url="",

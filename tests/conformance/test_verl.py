@@ -8,8 +8,9 @@ actor and rollout worker; `build_topology` on the class verl's registry returns;
 `CheckpointEngineWorker.update_weights` does; `finalize` everywhere. The actor is
 2 FSDP2 ranks on gloo (the generator gathers with `full_tensor`, as verl's FSDP
 engine does); the rollout is a torch engine served by p2psync in the rollout
-worker's process. After each update the engine's bytes equal the trainer's, bit
-for bit, and the server adapter was handed no tensor to load.
+worker's process. After each update the engine's bytes equal the trainer's (as
+DTensor's own `full_tensor` gathers them), bit for bit, and the server adapter was
+handed no tensor to load. Environment integrations.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import multiprocessing as mp
 import queue
 
 import pytest
-
-pytest.importorskip("verl", reason="verl is not installed (pip install 'p2psync[verl]')")
-pytest.importorskip("mooncake.engine", reason="the test syncs over Mooncake (pip install 'p2psync[mooncake]')")
-
 import torch
+
+from tests.helpers.matrix import usable
+
+#: One row of the table: verl's call order over Mooncake, FSDP2 into a torch engine.
+pytestmark = pytest.mark.conformance(trainer="fsdp2", engine="torch", transport="mooncake", via="verl")
 
 TRAINERS = 2
 UPDATES = 2
@@ -120,6 +122,12 @@ def rollout(port, to_parent, mine, results):
         held = {name: _bytes(p.detach()) for name, p in model.named_parameters()}
         results.put(("rollout", step, held, {"loaded": adapter.loaded, "version": endpoint.version}))
     endpoint.close()
+
+
+@pytest.fixture(autouse=True)
+def _verl_installed() -> None:
+    pytest.importorskip("verl", reason="verl is not installed (pip install 'p2psync[verl]'; environment integrations)")
+    usable("transports", "mooncake")
 
 
 def test_verl_registry_has_p2psync_after_import():

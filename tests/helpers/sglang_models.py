@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from p2psync.conformance.harness.expected import SGLANG_FILL, sglang_loaded
 from p2psync.core.types import ParamSpec, TargetParam, TargetTable
 
 _COMMON = dict(vocab_size=160, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128)
@@ -86,14 +87,11 @@ def sglang_rank(
     config: dict[str, Any], tp: int, ep: int, rank: int, tensors: dict[str, torch.Tensor]
 ) -> tuple[dict[str, torch.Tensor], TargetTable]:
     """What sglang itself holds on `rank` after loading `tensors` into parameters prefilled
-    with 0xA5 bytes, and the table that rank publishes. `config` is the HF config as a dict."""
+    with `SGLANG_FILL` bytes, and the table that rank publishes. `config` is the HF config as a dict."""
     from p2psync.adapters.sglang.key import layout_key
-    from p2psync.adapters.sglang.shim import RankSpec, build_rank_model, hf_config_dict, require_sglang
+    from p2psync.adapters.sglang.shim import hf_config_dict, require_sglang
 
-    rank_model = build_rank_model(RankSpec(config, tp, ep, "bfloat16", rank), "cpu")
-    for p in rank_model.model.parameters():
-        p.data.view(torch.uint8).fill_(0xA5)
-    rank_model.load(list(tensors.items()))
+    rank_model = sglang_loaded(config, tp, ep, rank, tensors)
     model_config = rank_model.model_config
     key = layout_key(rank_model.server_args, hf_config_dict(model_config), str(model_config.dtype), require_sglang())
     held = {name: p.data for name, p in rank_model.model.named_parameters()}
@@ -101,8 +99,8 @@ def sglang_rank(
 
 
 def produce(layout: Any, tensors: dict[str, torch.Tensor], table: TargetTable) -> dict[str, torch.Tensor]:
-    """Each parameter's bytes after writing every region `layout` produces into 0xA5-filled memory."""
-    held = {p.name: torch.full((p.nbytes,), 0xA5, dtype=torch.uint8) for p in table.params}
+    """Each parameter's bytes after writing every region `layout` produces into `SGLANG_FILL`-filled memory."""
+    held = {p.name: torch.full((p.nbytes,), SGLANG_FILL, dtype=torch.uint8) for p in table.params}
     for group in layout.groups():
         out = torch.empty(group.nbytes, dtype=torch.uint8)
         for r in layout.fill(group, {n: tensors[n] for n in group.inputs}, out):

@@ -1,0 +1,219 @@
+"""Tiny Megatron-Core GPT models on CPU (gloo) shaped as a transformers model, for the
+Megatron trainers of the conformance worlds and the Megatron source tests.
+
+`load_hf` writes HF tensors into this rank's Megatron shards by hand (the inverse of
+what the source does): the tests check it in meaning, Megatron's logits against
+transformers' with the same weights (tests/test_megatron_source.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any
+
+import torch
+
+@dataclass(frozen=True)
+class Case:
+    """One parallel layout of one architecture."""
+
+    arch: str
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+    variant: str = ""  # a name for a changed config (the tests' VARIANTS)
+
+    @property
+    def id(self) -> str:
+        arch = f"{self.arch}-{self.variant}" if self.variant else self.arch
+        return f"{arch}-tp{self.tp}-pp{self.pp}-ep{self.ep}-etp{self.etp}"
+
+
+def hide_cuda_only_kernels() -> None:
+    """Make `flash_mla` absent on a machine without CUDA.
+
+    sglang's environment installs flash_mla, a CUDA-only kernel package: without a CUDA
+    driver its import raises OSError, while Megatron's attention module imports it
+    expecting only ImportError. On a CPU machine the kernel cannot run anyway."""
+    import sys
+
+    if not torch.cuda.is_available():
+        sys.modules.setdefault("flash_mla", None)  # `import flash_mla` now raises ImportError
+
+
+def megatron_model(case: Case, hf: Mapping[str, Any]) -> Any:
+    """This rank's GPTModel of `case` (model parallel state initialized here), shaped as the HF
+    config `hf` (its keyword arguments or its config.json)."""
+    hide_cuda_only_kernels()
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(case.tp, case.pp, expert_model_parallel_size=case.ep,
+                                 expert_tensor_parallel_size=case.etp)
+    experts = hf.get("num_experts") or hf.get("n_routed_experts")
+    mla = case.arch == "deepseek_v3"
+    config = (MLATransformerConfig if mla else TransformerConfig)(
+        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+        num_attention_heads=hf["num_attention_heads"], num_query_groups=hf["num_key_value_heads"],
+        kv_channels=hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"]),
+        ffn_hidden_size=hf["intermediate_size"], gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=case.arch == "qwen2", normalization="RMSNorm",
+        qk_layernorm=case.arch != "qwen2", tensor_model_parallel_size=case.tp,
+        pipeline_model_parallel_size=case.pp, expert_model_parallel_size=case.ep,
+        expert_tensor_parallel_size=case.etp, sequence_parallel=False, use_cpu_initialization=True,
+        perform_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+        pipeline_dtype=torch.float32, bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        **(dict(num_moe_experts=experts, moe_ffn_hidden_size=hf["moe_intermediate_size"],
+                moe_router_topk=hf["num_experts_per_tok"], moe_token_dispatcher_type="allgather",
+                moe_grouped_gemm=False) if experts else {}),
+        **(dict(q_lora_rank=hf["q_lora_rank"], kv_lora_rank=hf["kv_lora_rank"], qk_head_dim=hf["qk_nope_head_dim"],
+                qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"], rope_type="rope",
+                moe_layer_freq=[int(i >= hf["first_k_dense_replace"]) for i in range(hf["num_hidden_layers"])],
+                moe_shared_expert_intermediate_size=hf["moe_intermediate_size"] * hf["n_shared_experts"],
+                moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                moe_router_topk_scaling_factor=hf["routed_scaling_factor"]) if mla else {}),
+    )
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    with mla_on_cpu(spec) if mla else nullcontext():
+        return GPTModel(
+            config, spec, vocab_size=hf["vocab_size"], max_sequence_length=256,
+            pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=False, position_embedding_type="rope",
+        )
+
+
+@contextmanager
+def mla_on_cpu(spec: Any) -> Iterator[None]:
+    """Let megatron-core 0.16.1 build its MLA layers (local spec) on a machine without CUDA and
+    Transformer Engine. Unpatched it fails three ways, none about a parameter:
+    - the local `DotProductAttention` does not take the `k_channels`/`v_channels` MLA passes (only
+      TE's attention does): the spec gets a parameter-free subclass that accepts them;
+    - MLA's `RotaryEmbedding` ignores `use_cpu_initialization` and asks `torch.cuda.current_device()`;
+    - megatron-core mocks an absent TE, MLA's module believes TE present and calls
+      `isinstance(linear_proj, TELinear)` with the mock: it is told TE's real state."""
+    from unittest import mock
+
+    import megatron.core.transformer.multi_latent_attention as mla
+    from megatron.core.extensions import transformer_engine as te
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLACoreAttention(DotProductAttention):
+        def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
+                     **kwargs: Any) -> None:  # Attention builds it without them first, MLA again with them
+            super().__init__(*args, **kwargs)
+
+    for layer in spec.layer_specs:
+        attention = layer.submodules.self_attention.submodules
+        if attention.core_attention is DotProductAttention:
+            attention.core_attention = MLACoreAttention
+    with mock.patch.object(mla, "HAVE_TE", te.HAVE_TE):
+        if torch.cuda.is_available():
+            yield
+            return
+        with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"):
+            yield
+
+
+def load_hf(model: Any, hf: dict[str, torch.Tensor], arch: str) -> None:
+    """Write HF tensors into this rank's Megatron shards (the inverse of the source)."""
+    from megatron.core import parallel_state as ps
+
+    from p2psync.adapters.megatron.names import Split, canonical, table
+
+    rules = table(arch)
+    config = model.config
+    local_experts = (config.num_moe_experts or 0) // ps.get_expert_model_parallel_world_size()
+    buffers = ((n, b) for n, b in model.named_buffers() if canonical(n).name in rules)  # a router's expert bias
+    for name, param in chain(model.named_parameters(), buffers):
+        canon = canonical(name)
+        rule = rules[canon.name]
+        layer = model.decoder.layers[canon.layer].layer_number - 1 if canon.layer is not None else None
+        expert = None
+        if canon.expert is not None:
+            expert = ps.get_expert_model_parallel_rank() * local_experts + canon.expert
+            rank, size = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+        else:
+            rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        parts = [hf[t.format(layer=layer, expert=expert)] for t in rule.hf]
+        if not getattr(param, "tensor_model_parallel", False):
+            rank, size = 0, 1
+        dim = getattr(param, "partition_dim", 0)
+        if rule.split is Split.GATE_UP:  # stride 2: each shard is [gate_r; up_r]
+            shard = torch.cat([p.chunk(size, 0)[rank] for p in parts], 0)
+        elif rule.split is Split.QKV:
+            groups, head_dim = config.num_query_groups, config.kv_channels
+            q, k, v = (p.reshape(groups, -1, head_dim, *p.shape[1:]) for p in parts)
+            full = torch.cat([q, k, v], 1).reshape(-1, *parts[0].shape[1:])
+            shard = full.chunk(size, 0)[rank]
+        else:
+            shard = parts[0].chunk(size, dim)[rank]
+        with torch.no_grad():
+            param.copy_(shard)
+
+
+def bridge_deepseek_registry() -> Any:
+    """Megatron-Bridge's own DeepSeek mapping registry (`deepseek/common.py`, the one that needs no
+    model bridge class). Bridge's package imports Transformer Engine (`peft/lora_layers.py`) though
+    its mappings do not: where TE does not import, Bridge's mapping modules are loaded without the
+    package `__init__`s."""
+    import importlib.util
+    import sys
+    import types
+
+    try:
+        import megatron.bridge  # noqa: F401
+    except ImportError:
+        spec = importlib.util.find_spec("megatron.bridge")
+        assert spec is not None and spec.submodule_search_locations, "megatron-bridge is not installed"
+        root = spec.submodule_search_locations[0]
+        for package in ("", ".models", ".models.conversion", ".models.deepseek"):
+            module = types.ModuleType(f"megatron.bridge{package}")
+            module.__path__ = [root + package.replace(".", "/")]
+            sys.modules[module.__name__] = module
+    from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+    from megatron.bridge.models.deepseek.common import get_common_mapping_list
+
+    return MegatronMappingRegistry(*get_common_mapping_list())
+
+
+@contextmanager
+def forward_on_cpu() -> Iterator[None]:
+    """Megatron-Core 0.16.1's forward on CPU: it asks for the CUDA device, forks the CUDA RNG
+    tracker (for dropout, here of probability 0), and its MoE router names `te_general_gemm`,
+    which is unbound without Transformer Engine."""
+    from unittest import mock
+
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+    from megatron.core.transformer.moe import moe_utils
+
+    with (
+        mock.patch.object(torch.cuda, "current_device", lambda: "cpu"),
+        mock.patch.object(CudaRNGStatesTracker, "fork", lambda self, *args, **kwargs: nullcontext()),
+        mock.patch.object(moe_utils, "te_general_gemm", getattr(moe_utils, "te_general_gemm", None), create=True),
+    ):
+        yield
+
+
+def logits_differ(model: Any, reference: Any, tolerance: float = 1e-5) -> str:
+    """Why this rank's Megatron model (no pipeline parallelism; collective over its TP group) does
+    not compute the logits of the transformers model `reference`, or "": its weights are the
+    reference's in meaning, whatever name table placed them."""
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    vocab = reference.config.vocab_size
+    ids = torch.randint(0, vocab, (1, 12), generator=torch.Generator().manual_seed(1))
+    causal = torch.ones(1, 1, 12, 12, dtype=torch.bool).triu(1)  # True: masked
+    with torch.no_grad(), forward_on_cpu():
+        got = gather_from_tensor_model_parallel_region(model.eval()(ids, torch.arange(12)[None], causal))
+        want = reference(input_ids=ids).logits
+    diff = (got - want).abs().max().item()
+    return "" if diff < tolerance else f"Megatron's logits differ from transformers' by up to {diff}"

@@ -1,0 +1,1 @@
+"""p2psync's tests (a package: helpers are imported as `tests.helpers.<module>`)."""

@@ -1,0 +1,1 @@
+"""Helpers the tests share: processes, tiny models, engine rank loads."""
