@@ -115,11 +115,22 @@ class SglangRankModel(RankModel):
 
 
 def post_load(model: torch.nn.Module) -> None:
-    """sglang's own step after loading (DeepSeek's MLA derives `w_kc`/`w_vc` from `kv_b_proj`):
-    an engine runs it after each update, once the new bytes are in place."""
-    from sglang.srt.model_loader.loader import post_load_weights
+    """sglang's own steps after bytes reach the parameters without `load_weights` (an engine runs
+    them after each update, once the new bytes are in place): the model's post-load step
+    (DeepSeek's MLA derives `w_kc`/`w_vc` from `kv_b_proj`), then what its presharded loader
+    redoes after writing parameters directly (a Gemma norm's `gemma_weight` buffer, 1 + w)."""
+    from sglang.srt.model_loader.loader import PreshardedModelLoader, post_load_weights
 
     post_load_weights(model)
+    PreshardedModelLoader._rebind_parameter_aliases(model)
+
+
+def derives_after_load(model: torch.nn.Module) -> bool:
+    """Whether sglang computes tensors from the parameters after loading (`post_load`): an engine
+    written to directly must redo that after each update."""
+    from sglang.srt.layers.layernorm import GemmaRMSNorm
+
+    return hasattr(model, "post_load_weights") or any(isinstance(m, GemmaRMSNorm) for m in model.modules())
 
 
 def hf_config_dict(model_config: Any) -> dict[str, Any]:
@@ -163,13 +174,32 @@ def build_rank_model(spec: RankSpec, device: str) -> SglangRankModel:
     with tempfile.TemporaryDirectory(prefix="p2psync-sglang-") as model_path:
         (Path(model_path) / "config.json").write_text(json.dumps(spec.hf_config))
         args = server_args(model_path, spec)
-        context = create_context(args, role="scheduler", ranks=SpawnRanks(world_rank=spec.rank))
+        with _capability_without_cuda():
+            context = create_context(args, role="scheduler", ranks=SpawnRanks(world_rank=spec.rank))
         with use_context(context):
             _init_groups(parallel_state, spec)
             model_config = ModelConfig.from_server_args(args)
             with set_default_torch_dtype(model_config.dtype), torch.device(device):
                 model = _initialize_model(model_config, LoadConfig(), None)
     return SglangRankModel(model.eval(), context, args, model_config)
+
+
+@contextmanager
+def _capability_without_cuda() -> Iterator[None]:
+    """sglang resolves the server defaults of DeepSeek sparse attention (KV-cache dtype, kernels)
+    from the CUDA device's capability, which a machine without CUDA cannot answer. None of those
+    defaults shapes a weight, so there the resolution is told Hopper's (9, 0)."""
+    import torch
+
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.cuda.get_device_capability
+    torch.cuda.get_device_capability = lambda *args, **kwargs: (9, 0)
+    try:
+        yield
+    finally:
+        torch.cuda.get_device_capability = original
 
 
 _GROUP_GLOBALS = (
