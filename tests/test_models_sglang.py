@@ -33,16 +33,21 @@ _YARN = {
 }
 
 #: kind -> (transformers config class, sglang architecture, config fields).
+#: The MoE models carry one MTP (NextN) layer after their last layer, which sglang's draft loads.
 MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
         **_COMMON, **_MOE, num_key_value_heads=2, head_dim=16, attention_bias=True, use_qk_norm=True,
-        tie_word_embeddings=False)),
+        tie_word_embeddings=False, num_nextn_predict_layers=1)),
     "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", dict(
-        **_COMMON, **_MOE, **_MLA, rope_parameters=_YARN, tie_word_embeddings=False)),
+        **_COMMON, **_MOE, **_MLA, rope_parameters=_YARN, tie_word_embeddings=False, num_nextn_predict_layers=1)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        **_COMMON, **_MOE, **_MLA, rope_parameters=_YARN, tie_word_embeddings=False, num_nextn_predict_layers=1)),
     "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
-        **_COMMON, **_MOE, **_MLA, **_INDEXER, rope_parameters=_YARN, tie_word_embeddings=False)),
+        **_COMMON, **_MOE, **_MLA, **_INDEXER, rope_parameters=_YARN, tie_word_embeddings=False,
+        num_nextn_predict_layers=1)),
     "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(
-        **_COMMON, **_MOE, **_MLA, **_INDEXER, rope_parameters=_YARN, tie_word_embeddings=False)),
+        **_COMMON, **_MOE, **_MLA, **_INDEXER, rope_parameters=_YARN, tie_word_embeddings=False,
+        num_nextn_predict_layers=1)),
     # sglang's Gemma loader stores a norm as 1 + w (into the HF tensor it was given):
     # no copy, so the engine's loader writes those parameters.
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(
@@ -52,7 +57,7 @@ MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
         **_COMMON, intermediate_size=96, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
         sliding_window=32, query_pre_attn_scalar=16, hidden_act="gelu_pytorch_tanh")),
 }
-MOE_KINDS = ("glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa")
+MOE_KINDS = ("glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa")  # DeepSeek-V3: test_sglang_layout
 CASES = [
     *[(kind, tp, ep) for kind in MOE_KINDS for tp, ep in ((1, 1), (2, 1), (2, 2))],
     *[(kind, tp, 1) for kind in ("gemma", "gemma2") for tp in (1, 2)],
@@ -74,7 +79,27 @@ def hf_config(kind: str) -> Any:
 
 @lru_cache(maxsize=None)
 def checkpoint(kind: str) -> dict[str, torch.Tensor]:
-    return hf_tensors(hf_config(kind))
+    """The HF checkpoint tensors of `kind`, with its MTP layer where it has one: transformers builds
+    no MTP layer, so layer N's tensors are made as a checkpoint holds them (a decoder layer like
+    N - 1's, eh_proj, enorm, hnorm, shared_head.norm; DeepSeek-V3 also repeats the embedding and
+    head there, which sglang's draft does not load: it takes the target's)."""
+    config = hf_config(kind)
+    tensors = hf_tensors(config)
+    last = config.num_hidden_layers
+    if not getattr(config, "num_nextn_predict_layers", 0):
+        return tensors
+    generator = torch.Generator().manual_seed(last)
+    hidden = config.hidden_size
+    mtp = {
+        name.replace(f"model.layers.{last - 1}.", f"model.layers.{last}."): torch.randn(t.shape, generator=generator)
+        for name, t in tensors.items() if name.startswith(f"model.layers.{last - 1}.")
+    }
+    extra = {"eh_proj.weight": (hidden, 2 * hidden), "enorm.weight": (hidden,), "hnorm.weight": (hidden,),
+             "shared_head.norm.weight": (hidden,)}
+    if kind == "deepseek_v3":
+        extra |= {"embed_tokens.weight": (config.vocab_size, hidden), "shared_head.head.weight": (config.vocab_size, hidden)}
+    mtp |= {f"model.layers.{last}.{name}": torch.randn(shape, generator=generator) for name, shape in extra.items()}
+    return tensors | mtp
 
 
 def engine_rank(kind: str, tp: int, ep: int, rank: int):

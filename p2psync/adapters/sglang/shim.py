@@ -16,12 +16,11 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from ...layouts import RankModel
-
-if TYPE_CHECKING:
-    import torch
 
 #: The sglang release whose internals this shim was written and tested against.
 SGLANG_VERSION = "0.5.23"
@@ -43,8 +42,6 @@ def require_sglang() -> str:
 def _fix_cpu() -> None:
     """On a machine without CUDA, RotaryEmbedding must take its CPU path: otherwise
     it imports `vllm._custom_ops`. sglang decides this once, at import."""
-    import torch
-
     if not torch.cuda.is_available():
         import sglang.srt.layers.rotary_embedding.base as rotary
 
@@ -63,6 +60,8 @@ class RankSpec:
     quantization: str | None = None
     moe_a2a_backend: str = "none"
     moe_runner_backend: str = "auto"
+    #: The rank also runs sglang's MTP (NextN) draft of the same checkpoint (`TargetAndDraft`).
+    draft: bool = False
 
 
 class _Group:
@@ -114,6 +113,68 @@ class SglangRankModel(RankModel):
         post_load(self.model)
 
 
+class TargetAndDraft(torch.nn.Module):
+    """One sglang rank that runs a speculative draft worker beside its model: the target's modules
+    under their own names, the draft's under `draft.`. The draft's embedding and
+    LM head are the target's parameters, as sglang's EAGLE worker shares them
+    (`set_embed_and_head`), so they are published, written and checked once, under the target's
+    names. Loading and the post-load step run the target's, then the draft's in sglang's draft
+    scope (`draft_scope`)."""
+
+    def __init__(self, target: torch.nn.Module, draft: torch.nn.Module) -> None:
+        super().__init__()
+        self._parameters.update(target._parameters)
+        self._modules.update(target._modules)
+        self.draft = draft
+        object.__setattr__(self, "target", target)  # not a submodule: its modules are ours already
+
+    def load_weights(self, weights: Sequence[tuple[str, torch.Tensor]]) -> None:
+        weights = list(weights)
+        self.target.load_weights(weights)
+        with draft_scope():
+            self.draft.load_weights(weights)
+
+    def post_load_weights(self) -> None:
+        from sglang.srt.model_loader.loader import post_load_weights
+
+        post_load_weights(self.target)
+        post_load_weights(self.draft)
+
+
+
+
+@contextmanager
+def draft_scope() -> Iterator[None]:
+    """What sglang's EAGLE worker enters to build and load its draft (`EAGLEWorkerV2.__init__`):
+    the speculative MoE backends and the draft's construction settings. Its one-stage pipeline
+    group and draft TP context are the target's own here: `key.rank_spec` refuses pipeline
+    parallelism and data-parallel attention."""
+    from sglang.srt.layers.moe.utils import (
+        draft_model_build_scope,
+        speculative_moe_a2a_backend_context,
+        speculative_moe_backend_context,
+    )
+
+    with speculative_moe_backend_context(), speculative_moe_a2a_backend_context(), draft_model_build_scope():
+        yield
+
+
+def share_embed_and_head(target: torch.nn.Module, draft: torch.nn.Module) -> None:
+    """Give the draft the target's embedding and LM head, through the draft's own
+    `set_embed_and_head` (which asks CUDA to free the draft's own copies: without CUDA, nothing
+    to free)."""
+    embed, head = target.get_embed_and_head()
+    if torch.cuda.is_available():
+        draft.set_embed_and_head(embed, head)
+        return
+    sync, empty = torch.cuda.synchronize, torch.cuda.empty_cache
+    torch.cuda.synchronize = torch.cuda.empty_cache = lambda *args, **kwargs: None
+    try:
+        draft.set_embed_and_head(embed, head)
+    finally:
+        torch.cuda.synchronize, torch.cuda.empty_cache = sync, empty
+
+
 def post_load(model: torch.nn.Module) -> None:
     """sglang's own steps after bytes reach the parameters without `load_weights` (an engine runs
     them after each update, once the new bytes are in place): the model's post-load step
@@ -153,12 +214,22 @@ def server_args(model_path: str, spec: RankSpec, device: str = "cpu") -> Any:
         device=device,
         load_format="dummy",
         skip_tokenizer_init=True,
+        **(_DRAFT_ARGS | dict(
+            speculative_draft_model_path=model_path,
+            speculative_moe_runner_backend=spec.moe_runner_backend,
+            speculative_moe_a2a_backend=spec.moe_a2a_backend,
+        ) if spec.draft else {}),
     )
+
+
+#: Server arguments of an MTP draft that do not shape its weights (one step, top 1).
+_DRAFT_ARGS = dict(
+    speculative_algorithm="NEXTN", speculative_num_steps=1, speculative_eagle_topk=1, speculative_num_draft_tokens=2,
+)
 
 
 def build_rank_model(spec: RankSpec, device: str) -> SglangRankModel:
     """Build sglang's model of `spec.rank` on `device` ("meta": no storage; "cpu": real memory)."""
-    import torch
     import torch.distributed as dist
 
     require_sglang()
@@ -181,6 +252,12 @@ def build_rank_model(spec: RankSpec, device: str) -> SglangRankModel:
             model_config = ModelConfig.from_server_args(args)
             with set_default_torch_dtype(model_config.dtype), torch.device(device):
                 model = _initialize_model(model_config, LoadConfig(), None)
+                if spec.draft:
+                    draft_config = ModelConfig.from_server_args(args, is_draft_model=True)
+                    with draft_scope():
+                        draft = _initialize_model(draft_config, LoadConfig(), None)
+                    share_embed_and_head(model, draft)
+                    model = TargetAndDraft(model, draft)
     return SglangRankModel(model.eval(), context, args, model_config)
 
 
@@ -189,8 +266,6 @@ def _capability_without_cuda() -> Iterator[None]:
     """sglang resolves the server defaults of DeepSeek sparse attention (KV-cache dtype, kernels)
     from the CUDA device's capability, which a machine without CUDA cannot answer. None of those
     defaults shapes a weight, so there the resolution is told Hopper's (9, 0)."""
-    import torch
-
     if torch.cuda.is_available():
         yield
         return
@@ -235,8 +310,6 @@ def patch_server_for_cpu() -> None:
     snapshot, which is empty on CPU, so every write would be refused; its older
     per-parameter registration covers CPU memory.
     """
-    import torch
-
     if torch.cuda.is_available():
         return
     require_sglang()
