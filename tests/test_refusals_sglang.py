@@ -15,15 +15,11 @@ import copy  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
+from refusal_checks import NoPeers, connect_refused, fill  # noqa: E402
 from sglang_models import config_dict, hf_config, hf_tensors  # noqa: E402
 
-from p2psync.adapters.fsdp2 import FSDP2Source  # noqa: E402
 from p2psync.adapters.sglang import serve  # noqa: E402
-from p2psync.core.control import post  # noqa: E402
-from p2psync.core.errors import ConnectError  # noqa: E402
 from p2psync.core.rendezvous import Rendezvous  # noqa: E402
-from p2psync.core.session import Session  # noqa: E402
-from p2psync.core.transport import Transport  # noqa: E402
 
 PLACEMENTS = {
     "redundant experts": (
@@ -80,72 +76,29 @@ DRAFTS = {
 }
 
 
-class NoPeers(Transport):
-    """The trainer's transport: counts the peers a session opens (a refused connect opens none, so
-    it cannot write); the engine's: exposes nothing."""
-
-    name = "mooncake"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.opened: list[Any] = []
-
-    def expose(self, tensors):
-        return {"session": "127.0.0.1:1"}
-
-    def register_buffer(self, buffer):
-        pass
-
-    def unregister_buffer(self, buffer):
-        pass
-
-    def open(self, table):
-        self.opened.append(table.target)
-        raise AssertionError("a refused connect opened a peer")
-
-    def close(self):
-        pass
-
-
 @pytest.fixture(scope="module")
 def engine():
-    """One sglang rank (Qwen3-MoE, TP 1, its own load done, 0xA5-filled), the trainer's HF tensors and a
-    rendezvous."""
+    """One sglang rank (Qwen3-MoE, TP 1), the trainer's HF tensors and a rendezvous."""
     from p2psync.adapters.sglang.shim import RankSpec, build_rank_model
 
     config = hf_config("qwen3_moe")
     rank_model = build_rank_model(RankSpec(config_dict(config), 1, 1, "bfloat16", 0), "cpu")
-    for p in rank_model.model.parameters():
-        p.data.view(torch.uint8).fill_(0xA5)
     rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="refusals", is_server=True, timeout=5)
     return rank_model, hf_tensors(config), rendezvous
 
 
 def refused(engine, engine_id: str, changes: dict[str, Any], *, draft: Any = None) -> str:
-    """Serve the rank with server settings `changes` as `engine_id`, connect a trainer session to it;
-    assert the connect is refused with nothing written; the error text."""
+    """Serve the rank with server settings `changes` as `engine_id` and connect a trainer to it: the
+    error text of a refusal with nothing written."""
     rank_model, tensors, rendezvous = engine
     server_args = copy.copy(rank_model.server_args)
     for name, value in changes.items():
         setattr(server_args, name, value)
     endpoint = serve(rank_model.model, server_args, rank_model.model_config, engine_id=engine_id, rank=0,
                      rendezvous=rendezvous, transport=NoPeers(), draft=draft)
-    trainer = NoPeers()
+    fill(endpoint.params)
     try:
-        model = torch.nn.Module()
-        for name, t in tensors.items():
-            model.register_parameter(name.replace(".", "__"), torch.nn.Parameter(t.clone()))
-        source = FSDP2Source(model, name_map=lambda name: name.replace("__", "."))
-        with Session(source=source, rendezvous=rendezvous, transport=trainer, transfer_timeout=5.0, check=True) as session:
-            with pytest.raises(ConnectError) as error:
-                session.connect([engine_id])
-        table = rendezvous.read_engine(engine_id)[0]
-        assert trainer.opened == []
-        assert post(table.control_url, "info", token=rendezvous.token(), timeout=5) == {
-            "version": None, "paused": False, "rank": 0,
-        }
-        assert all(bool((p.data.view(torch.uint8) == 0xA5).all()) for p in rank_model.model.parameters())
-        return str(error.value)
+        return connect_refused(rendezvous, engine_id, tensors, endpoint.params)
     finally:
         endpoint.close()
 

@@ -1,0 +1,141 @@
+"""vLLM layouts of the model classes miles ships P2P for that vLLM builds on CPU, bit-exact with
+vLLM's own load on every TP rank; and settings no vLLM layout reproduces refused at connect with
+nothing written. Environment: conformance-vllm.
+
+DeepSeek-V3.2 and GLM-5 (sparse-attention indexer) are not here: vLLM 0.33.0 does not build them
+on CPU (`CpuPlatform.get_attn_backend_cls`: "Sparse Attention is not supported on CPU")."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM (p2psync[vllm], vllm==0.33.0) is not installed; run `tox -e conformance-vllm`")
+pytest.importorskip("transformers", reason="transformers is not installed")
+
+import copy  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+from refusal_checks import NoPeers, connect_refused, fill  # noqa: E402
+from sglang_models import produce  # noqa: E402  (engine-agnostic: a layout's bytes over 0xA5)
+from vllm_helpers import CONFIGS, checkpoint, engine_rank, hf_config_dict, specs  # noqa: E402
+
+from p2psync.adapters.vllm.target import VllmEngineTarget  # noqa: E402
+
+_COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, tie_word_embeddings=False)
+_MOE = dict(
+    intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+    first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+)
+#: Tiny configs of the new classes, registered with the vLLM test helpers' configs.
+MODELS: dict[str, dict[str, Any]] = {
+    "glm4_moe": dict(
+        cls="Glm4MoeConfig", architectures=["Glm4MoeForCausalLM"], **_COMMON, **_MOE, num_key_value_heads=2,
+        head_dim=16, attention_bias=True, use_qk_norm=True,
+    ),
+    "glm4_moe_lite": dict(
+        cls="Glm4MoeLiteConfig", architectures=["Glm4MoeLiteForCausalLM"], **_COMMON, **_MOE, num_key_value_heads=4,
+        q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+    ),
+    "gemma": dict(
+        cls="GemmaConfig", architectures=["GemmaForCausalLM"], **{**_COMMON, "tie_word_embeddings": True},
+        intermediate_size=96, num_key_value_heads=2, head_dim=16, hidden_activation="gelu_pytorch_tanh",
+    ),
+}
+for _kind, _config in MODELS.items():
+    CONFIGS.setdefault(_kind, _config)
+CASES = [(kind, tp) for kind in MODELS for tp in (1, 2)]
+
+
+@pytest.mark.parametrize(("kind", "tp"), CASES, ids=[f"{k}-tp{tp}" for k, tp in CASES])
+def test_copy_map_equals_vllm_load_on_every_rank(kind, tp):
+    tensors = checkpoint(kind)
+    for rank in range(tp):
+        expected, table = engine_rank(kind, tp, rank, tensors)
+        assert all(t.count_nonzero() > 0 for t in expected.values()), "vLLM left a parameter unloaded"
+        layout = VllmEngineTarget().layout(table, specs(tensors))
+        assert layout.loader_params == [], "vLLM's loaders of these models only copy"
+        held = produce(layout, tensors, table)
+        for name, t in expected.items():
+            assert torch.equal(held[name], t.contiguous().view(-1).view(torch.uint8)), (kind, tp, rank, name)
+
+
+# -- refusals ---------------------------------------------------------------------------------------
+
+#: ParallelConfig changes -> the reason in the error.
+PLACEMENTS = {
+    "EPLB": (dict(enable_expert_parallel=True, enable_eplb=True), "enable_eplb=True: EPLB moves experts between ranks"),
+    "redundant experts": (
+        dict(enable_expert_parallel=True, eplb_config={"num_redundant_experts": 2}),
+        "eplb_config.num_redundant_experts=2: redundant experts replicate physical experts the layout does not place",
+    ),
+    "round-robin placement": (
+        dict(enable_expert_parallel=True, expert_placement_strategy="round_robin"),
+        "expert_placement_strategy='round_robin': a round-robin placement permutes experts across ranks",
+    ),
+    "elastic EP": (
+        dict(enable_expert_parallel=True, enable_elastic_ep=True),
+        "enable_elastic_ep=True: elastic EP re-places experts as EP ranks join and leave",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """A GLM-4.5 MoE vLLM rank (TP 1) on CPU whose engine config runs vLLM's MTP draft of it, the
+    trainer's HF tensors and a rendezvous."""
+    import json
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from p2psync.adapters.vllm import shim
+    from p2psync.core.rendezvous import Rendezvous
+
+    path = tmp_path_factory.mktemp("glm4_moe")
+    (path / "config.json").write_text(json.dumps({**hf_config_dict("glm4_moe"), "num_nextn_predict_layers": 1}))
+    config = EngineArgs(
+        model=str(path), tensor_parallel_size=1, dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True,
+        load_format="dummy", speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+    ).create_engine_config()
+    model = shim.build_model(config, 0, "cpu")
+    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="vllm-refusals", is_server=True, timeout=5)
+    return model, config, checkpoint("glm4_moe"), rendezvous
+
+
+def serve_refused(engine, engine_id: str, config: Any) -> str:
+    """Serve the rank under `config` as `engine_id` and connect a trainer to it: the error text of a
+    refusal with nothing written."""
+    from p2psync.adapters.vllm.endpoint import serve
+
+    model, _, tensors, rendezvous = engine
+    endpoint = serve(model, config, rank=0, engine_id=engine_id, rendezvous=rendezvous, transport=NoPeers())
+    fill(endpoint.params)
+    try:
+        return connect_refused(rendezvous, engine_id, tensors, endpoint.params)
+    finally:
+        endpoint.close()
+
+
+@pytest.mark.parametrize("case", list(PLACEMENTS))
+def test_expert_placements_a_layout_cannot_reproduce_are_refused(engine, case):
+    from vllm.config import EPLBConfig
+
+    changes, reason = PLACEMENTS[case]
+    config = copy.copy(engine[1])
+    config.speculative_config = None
+    config.parallel_config = parallel = copy.copy(config.parallel_config)
+    for name, value in changes.items():
+        setattr(parallel, name, EPLBConfig(**value) if name == "eplb_config" else value)
+    engine_id = "ep-" + case.replace(" ", "-").lower()
+    assert f"engine '{engine_id}' rank 0: " in (message := serve_refused(engine, engine_id, config))
+    assert reason in message
+
+
+def test_a_speculative_draft_the_backend_does_not_publish_is_refused(engine):
+    """vLLM's MTP draft of GLM-4.5: p2psync's vLLM backend publishes the target's parameters only, so
+    the update is refused rather than leaving the draft stale."""
+    message = serve_refused(engine, "draft-mtp", engine[1])
+    assert (
+        "engine 'draft-mtp' rank 0: speculative draft (mtp, Glm4MoeMTPModel): the engine did not publish the "
+        "draft's parameters, so an update would leave the draft stale"
+    ) in message
