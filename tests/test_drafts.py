@@ -13,8 +13,8 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
+from model_configs import checkpoint, hf_config  # noqa: E402
 from sglang_models import config_dict, produce, specs, table_of  # noqa: E402
-from test_models_sglang import checkpoint, hf_config  # noqa: E402
 
 from p2psync.adapters.sglang.target import SglangEngineTarget  # noqa: E402
 

@@ -16,35 +16,21 @@ import copy  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
+from model_configs import MODELS  # noqa: E402
 from refusal_checks import NoPeers, connect_refused, fill  # noqa: E402
 from sglang_models import produce  # noqa: E402  (engine-agnostic: a layout's bytes over 0xA5)
 from vllm_helpers import CONFIGS, checkpoint, engine_rank, hf_config_dict, specs  # noqa: E402
 
 from p2psync.adapters.vllm.target import VllmEngineTarget  # noqa: E402
 
-_COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, tie_word_embeddings=False)
-_MOE = dict(
-    intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-    first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
-)
-#: Tiny configs of the new classes, registered with the vLLM test helpers' configs.
-MODELS: dict[str, dict[str, Any]] = {
-    "glm4_moe": dict(
-        cls="Glm4MoeConfig", architectures=["Glm4MoeForCausalLM"], **_COMMON, **_MOE, num_key_value_heads=2,
-        head_dim=16, attention_bias=True, use_qk_norm=True,
-    ),
-    "glm4_moe_lite": dict(
-        cls="Glm4MoeLiteConfig", architectures=["Glm4MoeLiteForCausalLM"], **_COMMON, **_MOE, num_key_value_heads=4,
-        q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-    ),
-    "gemma": dict(
-        cls="GemmaConfig", architectures=["GemmaForCausalLM"], **{**_COMMON, "tie_word_embeddings": True},
-        intermediate_size=96, num_key_value_heads=2, head_dim=16, hidden_activation="gelu_pytorch_tanh",
-    ),
-}
-for _kind, _config in MODELS.items():
-    CONFIGS.setdefault(_kind, _config)
-CASES = [(kind, tp) for kind in MODELS for tp in (1, 2)]
+#: The new classes vLLM builds on CPU, registered with the vLLM test helpers' configs (which add
+#: max_position_embeddings themselves). vLLM's Gemma norm is a copy: it adds 1 in forward.
+KINDS = ("glm4_moe", "glm4_moe_lite", "gemma")
+for _kind in KINDS:
+    _cls, _architecture, _fields = MODELS[_kind]
+    _fields = {k: v for k, v in _fields.items() if k != "max_position_embeddings"}
+    CONFIGS.setdefault(_kind, dict(cls=_cls, architectures=[_architecture], **_fields))
+CASES = [(kind, tp) for kind in KINDS for tp in (1, 2)]
 
 
 @pytest.mark.parametrize(("kind", "tp"), CASES, ids=[f"{k}-tp{tp}" for k, tp in CASES])
@@ -92,7 +78,7 @@ def engine(tmp_path_factory):
     from p2psync.core.rendezvous import Rendezvous
 
     path = tmp_path_factory.mktemp("glm4_moe")
-    (path / "config.json").write_text(json.dumps({**hf_config_dict("glm4_moe"), "num_nextn_predict_layers": 1}))
+    (path / "config.json").write_text(json.dumps(hf_config_dict("glm4_moe")))  # with its MTP layer
     config = EngineArgs(
         model=str(path), tensor_parallel_size=1, dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True,
         load_format="dummy", speculative_config={"method": "mtp", "num_speculative_tokens": 1},
