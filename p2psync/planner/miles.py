@@ -15,15 +15,15 @@ from .presets import preset
 
 # model, trainer (TP, PP, CP, EP), nodes (each side), engine (TP, EP), engine dtype, published (broadcast, P2P) s
 MILES = [
+    ("GLM-4.7-Flash", (1, 1, 1, 8), 1, (4, 4), "bf16", (2.5, 4.2)),
     ("Qwen3-30B-A3B", (4, 1, 1, 8), 2, (8, 8), "bf16", (2.7, 2.2)),
     ("GLM-4.5-Air", (1, 4, 1, 8), 4, (8, 8), "bf16", (5.0, 2.6)),
     ("Qwen3-235B-A22B", (4, 4, 2, 16), 8, (32, 32), "bf16", (10.8, 3.2)),
+    ("GLM-5", (4, 8, 2, 16), 16, (64, 64), "bf16", (58.3, 8.5)),
     ("Kimi-K2", (8, 8, 4, 32), 32, (32, 32), "fp8", (53.3, 7.2)),
 ]
-NOT_MODELED = [
-    ("GLM-4.7-Flash 30B", 1, (2.5, 4.2), "no public shapes in anchors.md"),
-    ("GLM-5 744B", 16, (58.3, 8.5), "no public shapes in anchors.md"),
-]
+#: Rows whose trainer layout miles did not publish: ASSUMED here (GLM-4.7-Flash: one node, as GLM-4.5-Air's TP1 EP8).
+ASSUMED_TRAINER = {"GLM-4.7-Flash"}
 PERPLEXITY_KIMI_S = 1.3
 
 
@@ -55,7 +55,8 @@ def compare(
         )
         d = plan_dict(preset(model), model, cluster, shapes, broadcast)  # fp8: analytic, saying why
         rows.append({
-            "model": model, "nodes": nodes, "trainer": f"TP{tp} PP{pp} CP{cp} EP{ep}",
+            "model": model, "nodes": nodes,
+            "trainer": f"TP{tp} PP{pp} CP{cp} EP{ep}" + (" (ASSUMED)" if model in ASSUMED_TRAINER else ""),
             "engines": f"{cluster.engines} x TP{etp} EP{eep} {dtype}", "shapes": d["shapes"],
             "predicted_broadcast_s": d["broadcast"]["predicted_s"], "predicted_p2p_s": d["p2p"]["predicted_s"],
             "predicted_ratio": d["broadcast_over_p2p"], "published_broadcast_s": pub_b, "published_p2p_s": pub_p,
@@ -91,8 +92,6 @@ def format_compare(rows: list[dict[str, Any]], args: argparse.Namespace | None =
             f"| {r['predicted_p2p_s']:.3f} | {r['predicted_ratio']:.1f}x | {r['published_broadcast_s']} "
             f"| {r['published_p2p_s']} | {r['published_ratio']:.1f}x |"
         )
-    for model, nodes, (b, p), why in NOT_MODELED:
-        lines.append(f"| {model} | {nodes} | | | not modeled ({why}) | | | {b} | {p} | {b / p:.1f}x |")
     kimi = next(r for r in rows if r["model"] == "Kimi-K2")
     lines += [
         "",

@@ -51,11 +51,26 @@ PRESETS: dict[str, dict[str, Any]] = {
         _DEEPSEEK, n_routed_experts=384, num_attention_heads=64, num_key_value_heads=64, vocab_size=163840,
         first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.827,
     ),
+    # GLM-4.7-Flash and GLM-5: the released configs (transformers' Glm4MoeLiteConfig / GlmMoeDsaConfig defaults)
+    "GLM-4.7-Flash": dict(
+        _DEEPSEEK, architectures=["Glm4MoeLiteForCausalLM"], model_type="glm4_moe_lite", num_hidden_layers=47,
+        hidden_size=2048, intermediate_size=10240, moe_intermediate_size=1536, n_routed_experts=64,
+        num_experts_per_tok=4, num_attention_heads=20, num_key_value_heads=20, q_lora_rank=768, qk_nope_head_dim=192,
+        v_head_dim=256, vocab_size=154880, first_k_dense_replace=1, n_group=1, topk_group=1,
+        routed_scaling_factor=1.8, rms_norm_eps=1e-5, max_position_embeddings=202752,
+    ),
+    "GLM-5": dict(
+        _DEEPSEEK, architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa", num_hidden_layers=78,
+        hidden_size=6144, intermediate_size=12288, moe_intermediate_size=2048, n_routed_experts=256,
+        num_attention_heads=64, num_key_value_heads=64, q_lora_rank=2048, qk_nope_head_dim=192, v_head_dim=256,
+        vocab_size=154880, first_k_dense_replace=3, n_group=1, topk_group=1, rms_norm_eps=1e-5,
+        max_position_embeddings=202752, index_n_heads=32, index_head_dim=128, index_topk=2048,
+    ),
 }
 
 #: Published total parameter counts (anchors.md), to check the analytic model against.
 PUBLISHED_PARAMS = {"Kimi-K2": 1.03e12, "DeepSeek-V3": 671e9, "GLM-4.5-Air": 106e9, "Qwen3-235B-A22B": 235e9,
-                    "Qwen3-30B-A3B": 30.5e9}
+                    "Qwen3-30B-A3B": 30.5e9, "GLM-4.7-Flash": 30e9, "GLM-5": 744e9}
 
 
 def preset(name: str) -> dict[str, Any]:
