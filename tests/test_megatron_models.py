@@ -147,3 +147,11 @@ def test_the_megatron_source_yields_the_hf_checkpoint(yielded, kind):
             f"model.layers.{i}.self_attn.indexer.{w}" for i in range(2)
             for w in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
         }
+
+
+def test_miles_model_names_reach_the_new_tables():
+    """miles and slime name the model by its HF config class (`type(hf_config).__name__`)."""
+    from p2psync.integrations.miles import megatron_architecture
+
+    assert [megatron_architecture(n) for n in ("Glm4MoeConfig", "Glm4MoeLiteConfig", "DeepseekV32Config",
+                                                "GlmMoeDsaConfig")] == list(KINDS)
