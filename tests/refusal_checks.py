@@ -11,6 +11,7 @@ import torch
 
 from p2psync.adapters.fsdp2 import FSDP2Source
 from p2psync.core.control import post
+from p2psync.core.endpoint import EngineEndpoint
 from p2psync.core.errors import ConnectError
 from p2psync.core.rendezvous import Rendezvous
 from p2psync.core.session import Session
@@ -44,17 +45,21 @@ class NoPeers(Transport):
         pass
 
 
-def fill(params: Mapping[str, torch.Tensor]) -> None:
-    """Fill an engine rank's parameters with 0xA5 bytes, which `connect_refused` expects unchanged."""
-    for t in params.values():
-        t.view(torch.uint8).fill_(0xA5)
+def refused(endpoint: EngineEndpoint, rendezvous: Rendezvous, tensors: Mapping[str, torch.Tensor]) -> str:
+    """Fill the served rank's memory with 0xA5 bytes, connect a one-rank FSDP2 trainer holding HF
+    `tensors` to it, assert the connect is refused with nothing written, close the endpoint; the
+    error text."""
+    try:
+        for t in endpoint.params.values():
+            t.view(torch.uint8).fill_(0xA5)
+        return _connect_refused(rendezvous, endpoint.engine_id, tensors, endpoint.params)
+    finally:
+        endpoint.close()
 
 
-def connect_refused(
+def _connect_refused(
     rendezvous: Rendezvous, engine_id: str, tensors: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]
 ) -> str:
-    """Connect a one-rank FSDP2 trainer holding HF `tensors` to `engine_id` (rank 0, whose memory is
-    `params`, filled by `fill`); assert it is refused with nothing written; the error text."""
     model = torch.nn.Module()
     for name, t in tensors.items():
         model.register_parameter(name.replace(".", "__"), torch.nn.Parameter(t.clone()))

@@ -17,7 +17,7 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 from model_configs import MODELS  # noqa: E402
-from refusal_checks import NoPeers, connect_refused, fill  # noqa: E402
+from refusal_checks import NoPeers, refused  # noqa: E402
 from sglang_models import produce  # noqa: E402  (engine-agnostic: a layout's bytes over 0xA5)
 from vllm_helpers import CONFIGS, checkpoint, engine_rank, hf_config_dict, specs  # noqa: E402
 
@@ -35,15 +35,15 @@ CASES = [(kind, tp) for kind in KINDS for tp in (1, 2)]
 
 @pytest.mark.parametrize(("kind", "tp"), CASES, ids=[f"{k}-tp{tp}" for k, tp in CASES])
 def test_copy_map_equals_vllm_load_on_every_rank(kind, tp):
-    tensors = checkpoint(kind)
     for rank in range(tp):
-        expected, table = engine_rank(kind, tp, rank, tensors)
-        assert all(t.count_nonzero() > 0 for t in expected.values()), "vLLM left a parameter unloaded"
-        layout = VllmEngineTarget().layout(table, specs(tensors))
+        expected, table = engine_rank(kind, tp, rank, checkpoint(kind))
+        layout = VllmEngineTarget().layout(table, specs(checkpoint(kind)))
         assert layout.loader_params == [], "vLLM's loaders of these models only copy"
-        held = produce(layout, tensors, table)
-        for name, t in expected.items():
-            assert torch.equal(held[name], t.contiguous().view(-1).view(torch.uint8)), (kind, tp, rank, name)
+        held = produce(layout, checkpoint(kind), table)
+        for name, t in expected.items():  # vLLM's own load wrote every parameter; the layout the same bytes
+            assert t.count_nonzero() > 0 and torch.equal(held[name], t.contiguous().view(-1).view(torch.uint8)), (
+                kind, tp, rank, name,
+            )
 
 
 # -- refusals ---------------------------------------------------------------------------------------
@@ -95,11 +95,7 @@ def serve_refused(engine, engine_id: str, config: Any) -> str:
 
     model, _, tensors, rendezvous = engine
     endpoint = serve(model, config, rank=0, engine_id=engine_id, rendezvous=rendezvous, transport=NoPeers())
-    fill(endpoint.params)
-    try:
-        return connect_refused(rendezvous, engine_id, tensors, endpoint.params)
-    finally:
-        endpoint.close()
+    return refused(endpoint, rendezvous, tensors)
 
 
 @pytest.mark.parametrize("case", list(PLACEMENTS))

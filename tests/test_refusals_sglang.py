@@ -15,7 +15,7 @@ import copy  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
-from refusal_checks import NoPeers, connect_refused, fill  # noqa: E402
+from refusal_checks import NoPeers, refused  # noqa: E402
 from sglang_models import config_dict, hf_config, hf_tensors  # noqa: E402
 
 from p2psync.adapters.sglang import serve  # noqa: E402
@@ -87,7 +87,7 @@ def engine():
     return rank_model, hf_tensors(config), rendezvous
 
 
-def refused(engine, engine_id: str, changes: dict[str, Any], *, draft: Any = None) -> str:
+def serve_refused(engine, engine_id: str, changes: dict[str, Any], *, draft: Any = None) -> str:
     """Serve the rank with server settings `changes` as `engine_id` and connect a trainer to it: the
     error text of a refusal with nothing written."""
     rank_model, tensors, rendezvous = engine
@@ -96,18 +96,14 @@ def refused(engine, engine_id: str, changes: dict[str, Any], *, draft: Any = Non
         setattr(server_args, name, value)
     endpoint = serve(rank_model.model, server_args, rank_model.model_config, engine_id=engine_id, rank=0,
                      rendezvous=rendezvous, transport=NoPeers(), draft=draft)
-    fill(endpoint.params)
-    try:
-        return connect_refused(rendezvous, engine_id, tensors, endpoint.params)
-    finally:
-        endpoint.close()
+    return refused(endpoint, rendezvous, tensors)
 
 
 @pytest.mark.parametrize("case", list(PLACEMENTS))
 def test_expert_placements_a_layout_cannot_reproduce_are_refused(engine, case):
     changes, reason = PLACEMENTS[case]
     engine_id = "ep-" + case.replace(" ", "-").lower()
-    message = refused(engine, engine_id, changes)
+    message = serve_refused(engine, engine_id, changes)
     assert f"engine '{engine_id}' rank 0: {reason}" in message
 
 
@@ -116,5 +112,5 @@ def test_drafts_a_layout_cannot_reproduce_are_refused(engine, case):
     changes, published, reason = DRAFTS[case]
     engine_id = "draft-" + case.replace(" ", "-").lower()
     stand_in = torch.nn.Linear(4, 4)  # published as the rank's draft: the key refuses it before any parameter is read
-    message = refused(engine, engine_id, changes, draft=stand_in if published else None)
+    message = serve_refused(engine, engine_id, changes, draft=stand_in if published else None)
     assert f"engine '{engine_id}' rank 0: {reason}" in message
