@@ -161,18 +161,17 @@ def draft_scope() -> Iterator[None]:
 
 def share_embed_and_head(target: torch.nn.Module, draft: torch.nn.Module) -> None:
     """Give the draft the target's embedding and LM head, through the draft's own
-    `set_embed_and_head` (which asks CUDA to free the draft's own copies: without CUDA, nothing
-    to free)."""
+    `set_embed_and_head` (which waits for the CUDA device: without one, nothing to wait for)."""
     embed, head = target.get_embed_and_head()
     if torch.cuda.is_available():
         draft.set_embed_and_head(embed, head)
         return
-    sync, empty = torch.cuda.synchronize, torch.cuda.empty_cache
-    torch.cuda.synchronize = torch.cuda.empty_cache = lambda *args, **kwargs: None
+    sync = torch.cuda.synchronize
+    torch.cuda.synchronize = _no_device_to_wait_for
     try:
         draft.set_embed_and_head(embed, head)
     finally:
-        torch.cuda.synchronize, torch.cuda.empty_cache = sync, empty
+        torch.cuda.synchronize = sync
 
 
 def post_load(model: torch.nn.Module) -> None:
@@ -236,6 +235,7 @@ def build_rank_model(spec: RankSpec, device: str) -> SglangRankModel:
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.distributed import parallel_state
+    from sglang.srt.layers.moe.utils import initialize_moe_config
     from sglang.srt.model_loader.loader import _initialize_model
     from sglang.srt.model_loader.utils import set_default_torch_dtype
     from sglang.srt.runtime_context import SpawnRanks, create_context, use_context
@@ -249,6 +249,7 @@ def build_rank_model(spec: RankSpec, device: str) -> SglangRankModel:
             context = create_context(args, role="scheduler", ranks=SpawnRanks(world_rank=spec.rank))
         with use_context(context):
             _init_groups(parallel_state, spec)
+            initialize_moe_config()  # as sglang's scheduler does: the MoE backends of target and draft
             model_config = ModelConfig.from_server_args(args)
             with set_default_torch_dtype(model_config.dtype), torch.device(device):
                 model = _initialize_model(model_config, LoadConfig(), None)
@@ -308,7 +309,9 @@ def patch_server_for_cpu() -> None:
 
     sglang registers weight memory with Mooncake from the CUDA allocator's memory
     snapshot, which is empty on CPU, so every write would be refused; its older
-    per-parameter registration covers CPU memory.
+    per-parameter registration covers CPU memory. A draft model's `set_embed_and_head`
+    calls `torch.cuda.synchronize()`, which fails without a CUDA driver: with no device,
+    there is nothing to wait for.
     """
     if torch.cuda.is_available():
         return
@@ -318,18 +321,39 @@ def patch_server_for_cpu() -> None:
 
     transporter.register_memory_region = utils.register_memory_region_v1
     loader.register_memory_region = utils.register_memory_region_v1
+    torch.cuda.synchronize = _no_device_to_wait_for
+
+
+def _no_device_to_wait_for(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 def on_model_loaded(callback: Any) -> None:
-    """Call `callback(model, server_args, model_config, tp_rank)` in each sglang scheduler
-    once its (non-draft) model is loaded, through sglang's plugin hook registry."""
+    """Call `callback(model, server_args, model_config, tp_rank, draft)` in each sglang scheduler once
+    its weights are in place, through sglang's plugin hook registry: after the model loads, or, in a
+    server running an MTP/EAGLE draft worker (`draft_follows`), after that worker has loaded and taken
+    the target's embedding and head (`EagleDraftWorker.init_lm_head`), with `draft` its model."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.runtime_context import get_parallel
 
     def after_load(result: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
-        if not runner.is_draft_worker:
-            from sglang.srt.runtime_context import get_parallel
+        if not runner.is_draft_worker and not draft_follows(runner.server_args):
+            callback(runner.model, runner.server_args, runner.model_config, get_parallel().tp_rank, None)
+        return result
 
-            callback(runner.model, runner.server_args, runner.model_config, get_parallel().tp_rank)
+    def after_lm_head(result: Any, worker: Any, *args: Any, **kwargs: Any) -> Any:
+        target = worker.target_worker.model_runner
+        callback(target.model, target.server_args, target.model_config, get_parallel().tp_rank, worker.draft_runner.model)
         return result
 
     HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.load_model", after_load, HookType.AFTER)
+    HookRegistry.register(
+        "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.init_lm_head", after_lm_head, HookType.AFTER
+    )
+
+
+def draft_follows(server_args: Any) -> bool:
+    """Whether the server builds an EAGLE draft worker (`EagleDraftWorker`) after its model: EAGLE or
+    NEXTN, one layer. Other drafts are not published; the layout key then refuses them by name."""
+    algorithm = str(server_args.speculative_algorithm or "").upper()
+    return algorithm in ("EAGLE", "NEXTN") and not server_args.enable_multi_layer_eagle
