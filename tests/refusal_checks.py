@@ -1,5 +1,6 @@
 """A trainer session's connect to an engine rank that must be refused: the error text, with
-nothing written (no transport peer opened, the engine never paused, its memory unchanged)."""
+nothing written (no transport peer opened, the engine never paused for an update, its memory
+unchanged)."""
 
 from __future__ import annotations
 
@@ -70,8 +71,7 @@ def _connect_refused(
             session.connect([engine_id])
     table = rendezvous.read_engine(engine_id)[0]
     assert trainer.opened == []
-    assert post(table.control_url, "info", token=rendezvous.token(), timeout=5) == {
-        "version": None, "paused": False, "rank": 0,
-    }
+    status = post(table.control_url, "info", token=rendezvous.token(), timeout=5)
+    assert (status["version"], status["updating"], status["stale"]) == (None, None, None)  # never paused
     assert all(bool((t.view(torch.uint8) == 0xA5).all()) for t in params.values())
     return str(error.value)
