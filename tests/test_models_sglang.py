@@ -59,26 +59,44 @@ def test_indexer_weights_are_in_the_layout():
     assert indexer <= outputs
 
 
-def test_gemma2_post_load_on_layout_bytes_derives_what_sglangs_load_derives():
-    """Gemma 2's norms keep `gemma_weight` (1 + w, a buffer, not a parameter): an engine whose parameters
-    got the layout's bytes and then ran sglang's post-load step holds it as sglang's own load does."""
+def derived(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What sglang keeps beside the parameters: buffers (a Gemma norm's `gemma_weight`, 1 + w) and
+    MLA's `w_kc`/`w_vc`, which its post-load step derives from `kv_b_proj`."""
+    out = dict(model.named_buffers())
+    for name, module in model.named_modules():
+        out |= {f"{name}.{w}": t for w in ("w_kc", "w_vc") if isinstance(t := getattr(module, w, None), torch.Tensor)}
+    return out
+
+
+#: kind -> a tensor sglang derives after loading (which its load must have made or changed).
+DERIVED = {
+    "gemma2": "model.layers.0.input_layernorm.gemma_weight",
+    "glm4_moe_lite": "model.layers.1.self_attn.w_kc",
+    "deepseek_v32": "model.layers.1.self_attn.w_kc",
+}
+
+
+@pytest.mark.parametrize("kind", list(DERIVED))
+def test_post_load_on_layout_bytes_derives_what_sglangs_load_derives(kind):
+    """An engine whose parameters got the layout's bytes, then ran the endpoint's post-load step,
+    holds every derived tensor as sglang's own load makes it."""
     from p2psync.adapters.sglang.shim import RankSpec, build_rank_model, post_load
 
-    tensors = checkpoint("gemma2")
-    expected, table = engine_rank("gemma2", 2, 1, 1)
-    layout = SglangEngineTarget().layout(table, specs(tensors))
-    spec = RankSpec(config_dict(hf_config("gemma2")), 2, 1, "bfloat16", 1)
-    engine = build_rank_model(spec, "cpu")
-    for name, data in produce(layout, tensors, table).items():
+    tensors = checkpoint(kind)
+    _, table = engine_rank(kind, 2, 1, 1)
+    spec = RankSpec(config_dict(hf_config(kind)), 2, 1, "bfloat16", 1)
+    engine, fresh = build_rank_model(spec, "cpu"), build_rank_model(spec, "cpu")
+    for name, data in produce(SglangEngineTarget().layout(table, specs(tensors)), tensors, table).items():
         engine.model.get_parameter(name).data.view(-1).view(torch.uint8).copy_(data)
-    post_load(engine.model)
+    post_load(engine.model)  # as an endpoint's finish runs it
     reference = build_rank_model(spec, "cpu")
     reference.load([(n, t.clone()) for n, t in tensors.items()])
-    derived = {n: b for n, b in reference.model.named_buffers() if n.endswith("gemma_weight")}
-    assert derived and all(b.ne(1).any() for b in derived.values()), "sglang's load derived no gemma_weight"
-    held = dict(engine.model.named_buffers())
-    for name, buffer in derived.items():
-        assert torch.equal(held[name], buffer), name
+    held, want, initial = derived(engine.model), derived(reference.model), derived(fresh.model)
+    assert held.keys() == want.keys()
+    before = initial.get(DERIVED[kind])  # MLA's w_kc exists only once derived
+    assert before is None or not torch.equal(want[DERIVED[kind]], before), "sglang's load derived nothing here"
+    for name, tensor in want.items():
+        assert torch.equal(held[name], tensor), name
 
 
 @pytest.mark.parametrize("kind,derives", [("gemma2", True), ("deepseek_v32", True), ("glm4_moe", False)])
