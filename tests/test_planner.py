@@ -222,7 +222,8 @@ def test_sglang_meta_shapes_equal_analytic() -> None:
              [("qwen2", 2, 1), ("qwen3", 2, 1), ("qwen3_moe", 2, 2), ("qwen3_moe", 4, 2), ("deepseek_v3", 2, 2),
               ("deepseek_v3", 2, 1)]]
     # the presets themselves, at real width (sglang builds one layer of each kind on meta)
-    cases += [(preset("GLM-4.5-Air"), 8, 8), (preset("Qwen3-235B-A22B"), 8, 4), (preset("Kimi-K2"), 8, 8)]
+    cases += [(preset("GLM-4.5-Air"), 8, 8), (preset("Qwen3-235B-A22B"), 8, 4), (preset("Kimi-K2"), 8, 8),
+              (preset("GLM-4.7-Flash"), 4, 4), (preset("GLM-5"), 8, 8)]
     for cfg, tp, ep in cases:
         kind = cfg["architectures"][0]
         real, analytic = sglang_shapes(cfg, tp, ep, "bf16"), analytic_shapes(cfg, tp, ep, "bf16")

@@ -121,8 +121,8 @@ class EngineLayout(Layout):
         by_loader = {p.slot.name: p.slot.view(out) for p in compiled.params if p.blocks is None}
         if by_loader:
             assert self.rank_model is not None
-            with self._holders.backed(by_loader):
-                self.rank_model.load([(name, tensors[name]) for name in group.inputs])
+            with self._holders.backed(by_loader):  # copies: a loader may change its input (Gemma's 1 + w)
+                self.rank_model.load([(name, tensors[name].clone()) for name in group.inputs])
         flat = {name: tensors[name].contiguous().view(-1) for name in group.inputs}
         for p in compiled.params:
             if p.blocks is not None:

@@ -172,13 +172,12 @@ class _Builder:
             self.norm(out, "self_attn.kv_a_layernorm", kvl)
             self.linear(out, "self_attn.kv_b_proj", hp * (nope + v), kvl)
             self.linear(out, "self_attn.o_proj", h, hp * v)
-            if c.get("index_n_heads"):  # DeepSeek-V3.2-style sparse-attention indexer (GLM-5): replicated
-                ih, idim = int(c["index_n_heads"]), int(c["index_head_dim"])
-                self.linear(out, "self_attn.indexer.wq_b", ih * idim, int(ql or h))
-                self.linear(out, "self_attn.indexer.wk", idim, h)
-                self.norm(out, "self_attn.indexer.k_norm", idim)
-                out.append(Param("self_attn.indexer.k_norm.bias", (idim,), self.act))
-                self.linear(out, "self_attn.indexer.weights_proj", ih, h, quant=False)
+            if c.get("index_topk"):  # DeepSeek sparse attention's indexer (V3.2, GLM-5): replicated
+                heads_i, dim_i = int(c["index_n_heads"]), int(c["index_head_dim"])
+                self.linear(out, "self_attn.indexer.wq_b", heads_i * dim_i, int(ql or h))
+                self.linear(out, "self_attn.indexer.wk", dim_i, h)
+                self.linear(out, "self_attn.indexer.weights_proj", heads_i, h, quant=False)
+                out += [Param(f"self_attn.indexer.k_norm.{w}", (dim_i,), "float32") for w in ("weight", "bias")]
             return
         hd = int(c.get("head_dim") or h // heads)
         kv = int(c.get("num_key_value_heads") or heads)
@@ -241,7 +240,7 @@ class _Builder:
 #: Architectures whose sglang sharding the analytic model follows (checked against sglang's meta models).
 ANALYTIC_ARCHITECTURES = (
     "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM", "Glm4MoeForCausalLM",
-    "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "GlmMoeDsaForCausalLM",
+    "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
 )
 
 

@@ -97,12 +97,27 @@ SHARED_EXPERTS: dict[str, Rule] = {
     _M + "mlp.shared_experts.linear_fc2.weight": _copy(_L + "mlp.shared_experts.down_proj.weight"),
 }
 
+_INDEXER = _M + "self_attention.core_attention.indexer."
+#: DeepSeek sparse attention's indexer (Megatron's DSAIndexer; its linears are replicated).
+DSA_INDEXER: dict[str, Rule] = {
+    _INDEXER + "linear_wq_b.weight": _copy(_L + "self_attn.indexer.wq_b.weight"),
+    _INDEXER + "linear_wk.weight": _copy(_L + "self_attn.indexer.wk.weight"),
+    _INDEXER + "k_norm.weight": _copy(_L + "self_attn.indexer.k_norm.weight"),
+    _INDEXER + "k_norm.bias": _copy(_L + "self_attn.indexer.k_norm.bias"),
+    _INDEXER + "linear_weights_proj.weight": _copy(_L + "self_attn.indexer.weights_proj.weight"),
+}
+
+_DEEPSEEK_V3 = {**EMBEDDINGS, **MLA, **DENSE_MLP, **MOE, **SHARED_EXPERTS}
 #: HF `model_type` -> canonical Megatron name -> rule.
 ARCHITECTURES: dict[str, dict[str, Rule]] = {
     "qwen2": {**EMBEDDINGS, **GQA, **DENSE_MLP},
     "qwen3": {**EMBEDDINGS, **GQA, **DENSE_MLP},
     "qwen3_moe": {**EMBEDDINGS, **GQA, **DENSE_MLP, **MOE},
-    "deepseek_v3": {**EMBEDDINGS, **MLA, **DENSE_MLP, **MOE, **SHARED_EXPERTS},
+    "deepseek_v3": _DEEPSEEK_V3,
+    "glm4_moe": {**EMBEDDINGS, **GQA, **DENSE_MLP, **MOE, **SHARED_EXPERTS},  # GLM-4.5 (-Air)
+    "glm4_moe_lite": _DEEPSEEK_V3,  # GLM-4.7-Flash: DeepSeek-V3's MLA and MoE
+    "deepseek_v32": {**_DEEPSEEK_V3, **DSA_INDEXER},
+    "glm_moe_dsa": {**_DEEPSEEK_V3, **DSA_INDEXER},  # GLM-5
 }
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from ...core.endpoint import EngineEndpoint, EngineHooks
 from ...core.transport import Transport
 from .key import layout_key
-from .shim import hf_config_dict, post_load
+from .shim import TargetAndDraft, hf_config_dict, post_load
 
 if TYPE_CHECKING:
     import torch
@@ -32,11 +32,15 @@ def serve(
     version: str | None = None,
     incarnation: int | None = None,
     extra: Mapping[str, Any] | None = None,
+    draft: torch.nn.Module | None = None,
 ) -> EngineEndpoint:
     """Register the rank's parameters (sglang names, live memory), publish its table, serve control calls.
 
     `server_args` and `model_config` are sglang's ServerArgs and ModelConfig of the
     engine; they make the layout key, from which a trainer rebuilds this rank.
+    `draft`: the rank's speculative draft model (sglang's MTP/NextN draft worker's, its
+    embedding and LM head already the target's): its parameters are published too, under
+    `draft.`, so that one update writes and checks both (see `shim.TargetAndDraft`).
     Control calls must carry `token` (default: the job's token from the rendezvous).
     `extra` goes into the published table (the server's URL, when serving inside one).
     By default `finish` runs sglang's post-load step (see `shim.post_load`). `version` and
@@ -44,17 +48,22 @@ def serve(
     """
     import sglang
 
+    if draft is not None:
+        model = TargetAndDraft(model, draft)
     return EngineEndpoint.serve(
         engine="sglang",
         engine_id=engine_id,
         rank=rank,
         world_size=int(server_args.tp_size),
         params={name: p.data for name, p in model.named_parameters()},
-        layout_key=layout_key(server_args, hf_config_dict(model_config), str(model_config.dtype), sglang.__version__),
+        layout_key=layout_key(
+            server_args, hf_config_dict(model_config), str(model_config.dtype), sglang.__version__,
+            draft_published=draft is not None,
+        ),
         transport=transport,
         transport_options=transport_options,
         rendezvous=rendezvous,
-        hooks=hooks or EngineHooks(post_process=lambda: post_load(model)),
+        hooks=hooks or EngineHooks(post_process=lambda: post_load(model)),  # the draft's too
         host=host,
         token=token,
         version=version,

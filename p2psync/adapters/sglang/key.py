@@ -21,6 +21,8 @@ _TRIVIAL = {
     "enable_eplb": False,
     "ep_num_redundant_experts": 0,
     "init_expert_location": "trivial",
+    "elastic_ep_backend": None,
+    "ep_join_mode": None,
     "pp_size": 1,
     "enable_dp_attention": False,
     "quantization": None,
@@ -29,11 +31,15 @@ _WHY = {
     "enable_eplb": "EPLB moves experts between ranks at run time",
     "ep_num_redundant_experts": "redundant experts replicate physical experts the layout does not place",
     "init_expert_location": "a non-trivial initial expert location permutes experts across ranks",
+    "elastic_ep_backend": "elastic EP re-places experts as EP ranks join and leave",
+    "ep_join_mode": "an EP rank that joins or recovers at run time gets experts the layout does not place",
     "pp_size": "pipeline parallelism is not supported by this layout",
     "enable_dp_attention": "data-parallel attention is not supported by this layout",
     "quantization": "quantized sglang engines are not supported by this layout yet",
 }
 _SETTINGS = ("tp_size", "ep_size", "moe_a2a_backend", "moe_runner_backend", *_TRIVIAL)
+#: Speculative algorithms whose draft is the checkpoint's own MTP (NextN) layers (NEXTN resolves to EAGLE).
+_MTP_ALGORITHMS = ("EAGLE", "NEXTN")
 
 
 def config_hash(hf_config: dict[str, Any]) -> str:
@@ -46,9 +52,31 @@ def settings(server_args: Any) -> dict[str, Any]:
     return {name: get(name) for name in _SETTINGS}
 
 
-def layout_key(server_args: Any, hf_config: dict[str, Any], dtype: str, version: str) -> dict[str, Any]:
+def draft_settings(server_args: Any, published: bool) -> dict[str, Any] | None:
+    """What decides the bytes of the rank's speculative draft (None: the engine runs none), and
+    whether the rank published the draft's parameters (`published`)."""
+    get = server_args.get if isinstance(server_args, Mapping) else lambda name: getattr(server_args, name)
+    algorithm = get("speculative_algorithm")
+    if algorithm is None or str(algorithm).upper() == "NGRAM":  # n-gram drafts have no weights
+        return None
+    draft_path = get("speculative_draft_model_path")
+    return {
+        "algorithm": str(algorithm).upper(),
+        "own_checkpoint": draft_path is not None and draft_path != get("model_path"),
+        "multi_layer_eagle": bool(get("enable_multi_layer_eagle")),
+        "moe_runner_backend": get("speculative_moe_runner_backend"),
+        "moe_a2a_backend": get("speculative_moe_a2a_backend"),
+        "quantization": get("speculative_draft_model_quantization"),
+        "token_map": get("speculative_token_map") is not None,
+        "published": published,
+    }
+
+
+def layout_key(
+    server_args: Any, hf_config: dict[str, Any], dtype: str, version: str, *, draft_published: bool = False
+) -> dict[str, Any]:
     """The key of a rank of an sglang engine: its settings, its HF config (as a dict) and
-    resolved dtype, and the sglang version it runs."""
+    resolved dtype, the sglang version it runs, and its speculative draft (`draft_settings`)."""
     return {
         "sglang": version,
         "architecture": hf_config["architectures"][0],
@@ -56,7 +84,29 @@ def layout_key(server_args: Any, hf_config: dict[str, Any], dtype: str, version:
         "config": hf_config,
         "dtype": dtype.removeprefix("torch."),
         **settings(server_args),
+        "speculative": draft_settings(server_args, draft_published),
     }
+
+
+def _draft_refusal(draft: dict[str, Any], key: dict[str, Any]) -> str | None:
+    """Why the rank's draft cannot be updated with it, or None."""
+    algorithm = draft["algorithm"]
+    if algorithm not in _MTP_ALGORITHMS:
+        return f"{algorithm} drafts are not reproduced (only a checkpoint's own MTP/NextN layers, NEXTN or EAGLE)"
+    if draft["own_checkpoint"]:
+        return "the draft has its own checkpoint (speculative_draft_model_path), which the trainer does not train"
+    if draft["multi_layer_eagle"]:
+        return "multi-layer EAGLE (enable_multi_layer_eagle) is not reproduced"
+    for backend in ("moe_runner_backend", "moe_a2a_backend"):  # None: sglang gives the draft the target's
+        if draft[backend] not in (None, key[backend]):
+            return f"the draft's MoE backend speculative_{backend}={draft[backend]!r} differs from the target's {key[backend]!r}"
+    if draft["quantization"] is not None:
+        return f"a quantized draft (speculative_draft_model_quantization={draft['quantization']!r}) is not reproduced"
+    if draft["token_map"]:
+        return "a hot-token map (speculative_token_map) gives the draft a head of selected rows, which is not reproduced"
+    if not draft["published"]:
+        return "the engine did not publish the draft's parameters: an update would leave the draft stale"
+    return None
 
 
 def rank_spec(table: TargetTable, version: str) -> RankSpec:
@@ -69,7 +119,7 @@ def rank_spec(table: TargetTable, version: str) -> RankSpec:
     def reject(reason: str) -> ConnectError:
         return ConnectError(f"{where(table.engine_id, table.rank)}: {reason}")
 
-    missing = [k for k in ("sglang", "config", "config_sha256", "dtype", *_SETTINGS) if k not in key]
+    missing = [k for k in ("sglang", "config", "config_sha256", "dtype", *_SETTINGS, "speculative") if k not in key]
     if missing:
         raise reject(f"layout key lacks {missing}; was the engine side started by another p2psync?")
     if key["sglang"] != version:
@@ -81,6 +131,9 @@ def rank_spec(table: TargetTable, version: str) -> RankSpec:
             raise reject(f"{name}={key[name]!r}: {_WHY[name]}")
     if not 0 <= table.rank < key["tp_size"]:
         raise reject(f"rank is outside tp size {key['tp_size']}")
+    draft = key["speculative"]
+    if draft is not None and (why := _draft_refusal(draft, key)):
+        raise reject(f"speculative draft ({draft['algorithm']}): {why}")
     return RankSpec(
         hf_config=key["config"],
         tp_size=int(key["tp_size"]),
@@ -90,4 +143,5 @@ def rank_spec(table: TargetTable, version: str) -> RankSpec:
         quantization=key["quantization"],
         moe_a2a_backend=str(key["moe_a2a_backend"]),
         moe_runner_backend=str(key["moe_runner_backend"]),
+        draft=draft is not None,
     )

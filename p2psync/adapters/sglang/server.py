@@ -69,7 +69,7 @@ def publish_server(
     one it loaded, it is paused here until its first update. Another live server
     already published under `engine_id` is refused; a dead one is replaced.
     """
-    from .shim import build_rank_model, require_sglang
+    from .shim import build_rank_model, derives_after_load, require_sglang
 
     info = http(url, "/get_server_info", timeout=timeout)
     if info.get("dtype") in (None, "auto"):
@@ -81,7 +81,7 @@ def publish_server(
         session, weights = answer["remote_instance_transfer_engine_info"]
         draft = TargetTable(engine_id, rank, int(info["tp_size"]), "sglang", key, "mooncake", {}, url, ())
         model = build_rank_model(rank_spec(draft, require_sglang()), "meta").model
-        if hasattr(model, "post_load_weights"):
+        if derives_after_load(model):
             raise ConnectError(
                 f"{where(engine_id, rank)}: {key['architecture']} derives weights after loading, which the "
                 "server's own transfer-engine endpoint cannot redo; serve p2psync's endpoint through the plugin"

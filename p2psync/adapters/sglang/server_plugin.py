@@ -5,7 +5,8 @@
 - With `P2PSYNC_SGLANG_ENDPOINT` set (JSON: `rendezvous` "host:port", `job_id`,
   `engine_id`, optional `transport`, default "mooncake", optional `version` of the
   weights the server loads, optional `incarnation`), each scheduler, once its model is
-  loaded, serves p2psync's endpoint over the rank's parameters and publishes its table
+  loaded (and its MTP/EAGLE draft worker, if it runs one: the draft's parameters are
+  published too), serves p2psync's endpoint over the rank's parameters and publishes its table
   in the rendezvous: for transports sglang does not publish for itself (NIXL) and for
   servers started without sglang's transfer-engine flag. Pausing, cache flushing and
   the weight version then go through the server's own HTTP API (see
@@ -51,7 +52,7 @@ def _settings() -> dict[str, Any]:
     return json.loads(os.environ[ENDPOINT_ENV])
 
 
-def _serve_rank(model: Any, server_args: Any, model_config: Any, tp_rank: int) -> None:
+def _serve_rank(model: Any, server_args: Any, model_config: Any, tp_rank: int, draft: Any) -> None:
     from ...core.rendezvous import Rendezvous
     from .endpoint import serve
 
@@ -63,7 +64,7 @@ def _serve_rank(model: Any, server_args: Any, model_config: Any, tp_rank: int) -
         serve(
             model, server_args, model_config, engine_id=settings["engine_id"], rank=tp_rank,
             rendezvous=rendezvous, transport=settings.get("transport", "mooncake"), extra={"server_url": server_url},
-            version=settings.get("version"), incarnation=settings.get("incarnation"),
+            version=settings.get("version"), incarnation=settings.get("incarnation"), draft=draft,
         )
     )
 

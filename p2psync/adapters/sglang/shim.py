@@ -16,12 +16,11 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from ...layouts import RankModel
-
-if TYPE_CHECKING:
-    import torch
 
 #: The sglang release whose internals this shim was written and tested against.
 SGLANG_VERSION = "0.5.23"
@@ -43,8 +42,6 @@ def require_sglang() -> str:
 def _fix_cpu() -> None:
     """On a machine without CUDA, RotaryEmbedding must take its CPU path: otherwise
     it imports `vllm._custom_ops`. sglang decides this once, at import."""
-    import torch
-
     if not torch.cuda.is_available():
         import sglang.srt.layers.rotary_embedding.base as rotary
 
@@ -63,6 +60,8 @@ class RankSpec:
     quantization: str | None = None
     moe_a2a_backend: str = "none"
     moe_runner_backend: str = "auto"
+    #: The rank also runs sglang's MTP (NextN) draft of the same checkpoint (`TargetAndDraft`).
+    draft: bool = False
 
 
 class _Group:
@@ -114,12 +113,84 @@ class SglangRankModel(RankModel):
         post_load(self.model)
 
 
+class TargetAndDraft(torch.nn.Module):
+    """One sglang rank that runs a speculative draft worker beside its model: the target's modules
+    under their own names, the draft's under `draft.`. The draft's embedding and
+    LM head are the target's parameters, as sglang's EAGLE worker shares them
+    (`set_embed_and_head`), so they are published, written and checked once, under the target's
+    names. Loading and the post-load step run the target's, then the draft's in sglang's draft
+    scope (`draft_scope`)."""
+
+    def __init__(self, target: torch.nn.Module, draft: torch.nn.Module) -> None:
+        super().__init__()
+        self._parameters.update(target._parameters)
+        self._modules.update(target._modules)
+        self.draft = draft
+        object.__setattr__(self, "target", target)  # not a submodule: its modules are ours already
+
+    def load_weights(self, weights: Sequence[tuple[str, torch.Tensor]]) -> None:
+        weights = list(weights)
+        self.target.load_weights(weights)
+        with draft_scope():
+            self.draft.load_weights(weights)
+
+    def post_load_weights(self) -> None:
+        from sglang.srt.model_loader.loader import post_load_weights
+
+        post_load_weights(self.target)
+        post_load_weights(self.draft)
+
+
+
+
+@contextmanager
+def draft_scope() -> Iterator[None]:
+    """What sglang's EAGLE worker enters to build and load its draft (`EAGLEWorkerV2.__init__`):
+    the speculative MoE backends and the draft's construction settings. Its one-stage pipeline
+    group and draft TP context are the target's own here: `key.rank_spec` refuses pipeline
+    parallelism and data-parallel attention."""
+    from sglang.srt.layers.moe.utils import (
+        draft_model_build_scope,
+        speculative_moe_a2a_backend_context,
+        speculative_moe_backend_context,
+    )
+
+    with speculative_moe_backend_context(), speculative_moe_a2a_backend_context(), draft_model_build_scope():
+        yield
+
+
+def share_embed_and_head(target: torch.nn.Module, draft: torch.nn.Module) -> None:
+    """Give the draft the target's embedding and LM head, through the draft's own
+    `set_embed_and_head` (which waits for the CUDA device: without one, nothing to wait for)."""
+    embed, head = target.get_embed_and_head()
+    if torch.cuda.is_available():
+        draft.set_embed_and_head(embed, head)
+        return
+    sync = torch.cuda.synchronize
+    torch.cuda.synchronize = _no_device_to_wait_for
+    try:
+        draft.set_embed_and_head(embed, head)
+    finally:
+        torch.cuda.synchronize = sync
+
+
 def post_load(model: torch.nn.Module) -> None:
-    """sglang's own step after loading (DeepSeek's MLA derives `w_kc`/`w_vc` from `kv_b_proj`):
-    an engine runs it after each update, once the new bytes are in place."""
-    from sglang.srt.model_loader.loader import post_load_weights
+    """sglang's own steps after bytes reach the parameters without `load_weights` (an engine runs
+    them after each update, once the new bytes are in place): the model's post-load step
+    (DeepSeek's MLA derives `w_kc`/`w_vc` from `kv_b_proj`), then what its presharded loader
+    redoes after writing parameters directly (a Gemma norm's `gemma_weight` buffer, 1 + w)."""
+    from sglang.srt.model_loader.loader import PreshardedModelLoader, post_load_weights
 
     post_load_weights(model)
+    PreshardedModelLoader._rebind_parameter_aliases(model)
+
+
+def derives_after_load(model: torch.nn.Module) -> bool:
+    """Whether sglang computes tensors from the parameters after loading (`post_load`): an engine
+    written to directly must redo that after each update."""
+    from sglang.srt.layers.layernorm import GemmaRMSNorm
+
+    return hasattr(model, "post_load_weights") or any(isinstance(m, GemmaRMSNorm) for m in model.modules())
 
 
 def hf_config_dict(model_config: Any) -> dict[str, Any]:
@@ -142,18 +213,29 @@ def server_args(model_path: str, spec: RankSpec, device: str = "cpu") -> Any:
         device=device,
         load_format="dummy",
         skip_tokenizer_init=True,
+        **(_DRAFT_ARGS | dict(
+            speculative_draft_model_path=model_path,
+            speculative_moe_runner_backend=spec.moe_runner_backend,
+            speculative_moe_a2a_backend=spec.moe_a2a_backend,
+        ) if spec.draft else {}),
     )
+
+
+#: Server arguments of an MTP draft that do not shape its weights (one step, top 1).
+_DRAFT_ARGS = dict(
+    speculative_algorithm="NEXTN", speculative_num_steps=1, speculative_eagle_topk=1, speculative_num_draft_tokens=2,
+)
 
 
 def build_rank_model(spec: RankSpec, device: str) -> SglangRankModel:
     """Build sglang's model of `spec.rank` on `device` ("meta": no storage; "cpu": real memory)."""
-    import torch
     import torch.distributed as dist
 
     require_sglang()
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.distributed import parallel_state
+    from sglang.srt.layers.moe.utils import initialize_moe_config
     from sglang.srt.model_loader.loader import _initialize_model
     from sglang.srt.model_loader.utils import set_default_torch_dtype
     from sglang.srt.runtime_context import SpawnRanks, create_context, use_context
@@ -163,13 +245,37 @@ def build_rank_model(spec: RankSpec, device: str) -> SglangRankModel:
     with tempfile.TemporaryDirectory(prefix="p2psync-sglang-") as model_path:
         (Path(model_path) / "config.json").write_text(json.dumps(spec.hf_config))
         args = server_args(model_path, spec)
-        context = create_context(args, role="scheduler", ranks=SpawnRanks(world_rank=spec.rank))
+        with _capability_without_cuda():
+            context = create_context(args, role="scheduler", ranks=SpawnRanks(world_rank=spec.rank))
         with use_context(context):
             _init_groups(parallel_state, spec)
+            initialize_moe_config()  # as sglang's scheduler does: the MoE backends of target and draft
             model_config = ModelConfig.from_server_args(args)
             with set_default_torch_dtype(model_config.dtype), torch.device(device):
                 model = _initialize_model(model_config, LoadConfig(), None)
+                if spec.draft:
+                    draft_config = ModelConfig.from_server_args(args, is_draft_model=True)
+                    with draft_scope():
+                        draft = _initialize_model(draft_config, LoadConfig(), None)
+                    share_embed_and_head(model, draft)
+                    model = TargetAndDraft(model, draft)
     return SglangRankModel(model.eval(), context, args, model_config)
+
+
+@contextmanager
+def _capability_without_cuda() -> Iterator[None]:
+    """sglang resolves the server defaults of DeepSeek sparse attention (KV-cache dtype, kernels)
+    from the CUDA device's capability, which a machine without CUDA cannot answer. None of those
+    defaults shapes a weight, so there the resolution is told Hopper's (9, 0)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.cuda.get_device_capability
+    torch.cuda.get_device_capability = lambda *args, **kwargs: (9, 0)
+    try:
+        yield
+    finally:
+        torch.cuda.get_device_capability = original
 
 
 _GROUP_GLOBALS = (
@@ -203,10 +309,10 @@ def patch_server_for_cpu() -> None:
 
     sglang registers weight memory with Mooncake from the CUDA allocator's memory
     snapshot, which is empty on CPU, so every write would be refused; its older
-    per-parameter registration covers CPU memory.
+    per-parameter registration covers CPU memory. A draft model's `set_embed_and_head`
+    calls `torch.cuda.synchronize()`, which fails without a CUDA driver: with no device,
+    there is nothing to wait for.
     """
-    import torch
-
     if torch.cuda.is_available():
         return
     require_sglang()
@@ -215,18 +321,39 @@ def patch_server_for_cpu() -> None:
 
     transporter.register_memory_region = utils.register_memory_region_v1
     loader.register_memory_region = utils.register_memory_region_v1
+    torch.cuda.synchronize = _no_device_to_wait_for
+
+
+def _no_device_to_wait_for(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 def on_model_loaded(callback: Any) -> None:
-    """Call `callback(model, server_args, model_config, tp_rank)` in each sglang scheduler
-    once its (non-draft) model is loaded, through sglang's plugin hook registry."""
+    """Call `callback(model, server_args, model_config, tp_rank, draft)` in each sglang scheduler once
+    its weights are in place, through sglang's plugin hook registry: after the model loads, or, in a
+    server running an MTP/EAGLE draft worker (`draft_follows`), after that worker has loaded and taken
+    the target's embedding and head (`EagleDraftWorker.init_lm_head`), with `draft` its model."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.runtime_context import get_parallel
 
     def after_load(result: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
-        if not runner.is_draft_worker:
-            from sglang.srt.runtime_context import get_parallel
+        if not runner.is_draft_worker and not draft_follows(runner.server_args):
+            callback(runner.model, runner.server_args, runner.model_config, get_parallel().tp_rank, None)
+        return result
 
-            callback(runner.model, runner.server_args, runner.model_config, get_parallel().tp_rank)
+    def after_lm_head(result: Any, worker: Any, *args: Any, **kwargs: Any) -> Any:
+        target = worker.target_worker.model_runner
+        callback(target.model, target.server_args, target.model_config, get_parallel().tp_rank, worker.draft_runner.model)
         return result
 
     HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.load_model", after_load, HookType.AFTER)
+    HookRegistry.register(
+        "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.init_lm_head", after_lm_head, HookType.AFTER
+    )
+
+
+def draft_follows(server_args: Any) -> bool:
+    """Whether the server builds an EAGLE draft worker (`EagleDraftWorker`) after its model: EAGLE or
+    NEXTN, one layer. Other drafts are not published; the layout key then refuses them by name."""
+    algorithm = str(server_args.speculative_algorithm or "").upper()
+    return algorithm in ("EAGLE", "NEXTN") and not server_args.enable_multi_layer_eagle

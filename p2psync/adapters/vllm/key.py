@@ -20,9 +20,29 @@ def config_hash(hf_config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(hf_config, sort_keys=True).encode()).hexdigest()
 
 
+#: Expert placements no layout reproduces: key entry -> (the vLLM setting, its trivial value, why).
+_PLACEMENTS = {
+    "eplb": ("enable_eplb", False, "EPLB moves experts between ranks at run time"),
+    "redundant_experts": (
+        "eplb_config.num_redundant_experts", 0, "redundant experts replicate physical experts the layout does not place"
+    ),
+    "expert_placement": ("expert_placement_strategy", "linear", "a round-robin placement permutes experts across ranks"),
+    "elastic_ep": ("enable_elastic_ep", False, "elastic EP re-places experts as EP ranks join and leave"),
+}
+
+
+def _speculative(vllm_config: Any) -> dict[str, Any] | None:
+    """The engine's speculative draft, if it runs one with weights (the p2psync backend does not
+    publish a draft's parameters: `P2PSyncWeightTransferEngine.supports_draft_weight_update`)."""
+    spec = vllm_config.speculative_config
+    if spec is None or spec.draft_model_config is None:
+        return None
+    return {"method": spec.method, "draft_architecture": spec.draft_model_config.architectures[0], "published": False}
+
+
 def layout_key(vllm_config: Any) -> dict[str, Any]:
-    """The key of a rank of a vLLM engine: its parallelism, dtype, quantization, HF config and
-    the vLLM version it runs."""
+    """The key of a rank of a vLLM engine: its parallelism, expert placement, dtype, quantization,
+    speculative draft, HF config and the vLLM version it runs."""
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
     hf_config = json.loads(model.hf_config.to_json_string(use_diff=False))
     return {
@@ -34,8 +54,13 @@ def layout_key(vllm_config: Any) -> dict[str, Any]:
         "pp": parallel.pipeline_parallel_size,
         "dp": parallel.data_parallel_size,
         "ep": bool(parallel.enable_expert_parallel),
+        "eplb": bool(parallel.enable_eplb),
+        "redundant_experts": int(parallel.eplb_config.num_redundant_experts),
+        "expert_placement": str(parallel.expert_placement_strategy),
+        "elastic_ep": bool(parallel.enable_elastic_ep),
         "dtype": str(model.dtype).removeprefix("torch."),
         "quantization": model.quantization,
+        "speculative": _speculative(vllm_config),
     }
 
 
@@ -50,6 +75,14 @@ def engine_config_of(table: TargetTable) -> Any:
         problems.append("the HF config in the layout key does not match its hash")
     if key.get("quantization"):
         problems.append(f"quantization {key['quantization']!r} is not supported")
+    for entry, (setting, trivial, why) in _PLACEMENTS.items():
+        if key.get(entry, trivial) != trivial:
+            problems.append(f"{setting}={key[entry]!r}: {why}")
+    if draft := key.get("speculative"):
+        problems.append(
+            f"speculative draft ({draft['method']}, {draft['draft_architecture']}): the engine did not publish the "
+            "draft's parameters, so an update would leave the draft stale"
+        )
     if key.get("pp", 1) != 1 or key.get("dp", 1) != 1 or key.get("ep"):
         problems.append(
             f"only tensor parallelism is supported (pp={key.get('pp')}, dp={key.get('dp')}, ep={key.get('ep')})"
