@@ -28,7 +28,7 @@ import torch
 from ..core.errors import ConnectError, where
 from ..core.layout import CopyRun, Layout, ParamGroup
 from ..core.types import ParamSpec, Region, TargetTable
-from .layout import EngineLayout, Mode, loader_feeds
+from .layout import EngineLayout, LoaderRefusal, Mode, loader_feeds
 from .quantizers import FP8_DTYPE, INPUT_DTYPES, Quantizer, QuantizerError
 from .rank_model import RankModel
 
@@ -71,9 +71,21 @@ class QuantizedLayout(Layout):
         self.table, self.quantizer, self.dtype = table, quantizer, dtype
         params = dict(rank_model.model.named_parameters())
         self.quantized = self._to_quantize(_feeds(table, rank_model, params, sources), params, sources)
-        together = [(name, quantizer.scale_name(name)) for name in self.quantized]
-        self.inner = EngineLayout(table, self._quantized_specs(sources), rank_model, mode=mode, together=together)
-        self._check_scales_are_loaded()
+        together = [(name, quantizer.scale_name(name)) for name in sources if name in self.quantized]
+        quantized = self._quantized_specs(sources)
+        scales = [scale for _, scale in together]
+        try:
+            feeds = loader_feeds(table, rank_model, params, quantized)
+        except LoaderRefusal as exc:
+            if exc.tensor not in scales:
+                raise
+            raise self._scale_not_held(exc.tensor, f"{table.engine}'s loader refuses it: {exc.cause}") from exc
+        loaded = {hf for hfs in feeds.values() for hf in hfs}
+        unloaded = [scale for scale in scales if scale not in loaded]
+        if unloaded:
+            more = f"; nor {len(unloaded) - 1} more scales" if len(unloaded) > 1 else ""
+            raise self._scale_not_held(unloaded[0], f"{table.engine}'s loader loads it into no parameter{more}")
+        self.inner = EngineLayout(table, quantized, rank_model, mode=mode, together=together, feeds=feeds)
         # the same groups, read from the trainer's tensors: a scale is made from its weight
         scale_of = {scale: name for name, scale in together}
         self._inner_of = {g.outputs: g for g in self.inner.groups()}
@@ -102,6 +114,9 @@ class QuantizedLayout(Layout):
 
     def groups(self) -> Sequence[ParamGroup]:
         return self._groups
+
+    def left_alone(self) -> Sequence[str]:
+        return self.inner.left_alone()
 
     def fill(self, group: ParamGroup, tensors: Mapping[str, torch.Tensor], out: torch.Tensor) -> list[Region]:
         inputs: dict[str, torch.Tensor] = {}
@@ -182,13 +197,9 @@ class QuantizedLayout(Layout):
             out[scale] = ParamSpec(scale, self.quantizer.scale_shape(spec.shape), "float32")
         return out
 
-    def _check_scales_are_loaded(self) -> None:
-        loaded = {name for g in self.inner.groups() for name in g.inputs}
-        unloaded = sorted(self.quantizer.scale_name(n) for n in self.quantized if self.quantizer.scale_name(n) not in loaded)
-        if unloaded:
-            t = self.table
-            raise ConnectError(
-                f"{where(t.engine_id, t.rank)}: {t.engine}'s loader loads scale {unloaded[0]!r} of quantizer "
-                f"{self.quantizer.name!r} into no parameter" + (f" (nor {len(unloaded) - 1} more)" if len(unloaded) > 1 else "")
-                + "; the engine does not hold scales under that name"
-            )
+    def _scale_not_held(self, scale: str, why: str) -> ConnectError:
+        t = self.table
+        return ConnectError(
+            f"{where(t.engine_id, t.rank)}: the engine holds no scale {scale!r} (quantizer {self.quantizer.name!r} "
+            f"names its scales `...{self.quantizer.scale_suffix}`; {why})"
+        )
