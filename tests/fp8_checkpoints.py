@@ -10,11 +10,15 @@ import glob
 import json
 import tempfile
 from collections.abc import Callable
+from functools import lru_cache
 from typing import Any
 
 import torch
 
+from sglang_models import DEEPSEEK_CPU_ROPE, add_deepseek_fields, as_checkpoint
+
 from p2psync.core.types import ParamSpec
+from p2psync.layouts import quantizers
 from p2psync.layouts.quantizers import Quantizer
 
 KINDS = ("qwen3", "qwen3_moe", "deepseek_v3")
@@ -43,19 +47,12 @@ def hf_config(kind: str) -> Any:
             moe_intermediate_size=256, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
             topk_group=1, first_k_dense_replace=1, num_key_value_heads=8, q_lora_rank=128, kv_lora_rank=192,
             qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64, tie_word_embeddings=False,
-            # sglang's DeepSeek attention on CPU supports YaRN rotary embeddings only
-            rope_parameters={
-                "rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 64,
-                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
-            },
+            rope_parameters=DEEPSEEK_CPU_ROPE,
         )
-        # fields sglang and vLLM read that transformers' DeepseekV3Config lacks
-        cfg.moe_layer_freq, cfg.topk_method, cfg.scoring_func, cfg.norm_topk_prob = 1, "noaux_tc", "sigmoid", True
+        add_deepseek_fields(cfg)
     else:
         raise ValueError(kind)
-    cfg.architectures = [type(cfg).__name__.replace("Config", "ForCausalLM")]
-    cfg.torch_dtype = "bfloat16"
-    return cfg
+    return as_checkpoint(cfg)
 
 
 def config_dict(kind: str, quantizer: Quantizer | None) -> dict[str, Any]:
@@ -67,7 +64,10 @@ def config_dict(kind: str, quantizer: Quantizer | None) -> dict[str, Any]:
 
 
 def hf_tensors(kind: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random float32 tensors (every element random) under the checkpoint names of `kind`'s model."""
+    """Random float32 tensors under the checkpoint names of `kind`'s model: every element random,
+    each 64 x 64 tile of a matrix scaled by its own power of two in [2**-8, 2**8], so that blocks
+    get different scales (power-of-two scales of unscaled normal blocks would all be equal, and a
+    scale in the wrong place would go unseen)."""
     import transformers
     from safetensors.torch import load_file
 
@@ -78,7 +78,27 @@ def hf_tensors(kind: str, seed: int = 0) -> dict[str, torch.Tensor]:
         names = {}
         for f in sorted(glob.glob(f"{d}/*.safetensors")):
             names.update(load_file(f))
-    return {k: torch.randn(v.shape, generator=generator) for k, v in names.items()}
+    return {k: _tiled(torch.randn(v.shape, generator=generator), generator) for k, v in names.items()}
+
+
+def _tiled(t: torch.Tensor, generator: torch.Generator, tile: int = 64) -> torch.Tensor:
+    if t.dim() < 2:
+        return t
+    rows, cols = -(-t.shape[-2] // tile), -(-t.shape[-1] // tile)
+    exponents = torch.randint(-8, 9, (rows, cols), generator=generator).to(torch.float32)
+    factor = exponents.exp2().repeat_interleave(tile, 0).repeat_interleave(tile, 1)
+    return t * factor[: t.shape[-2], : t.shape[-1]]
+
+
+def quantizer_of(name: str, block: int | None) -> Quantizer:
+    """Quantizer `name` at a square `block` (None: per tensor)."""
+    return quantizers.get(name, None if block is None else [block, block])
+
+
+@lru_cache(maxsize=None)
+def checkpoint(kind: str) -> dict[str, torch.Tensor]:
+    """`hf_tensors(kind)`, made once per process."""
+    return hf_tensors(kind)
 
 
 def specs(tensors: dict[str, torch.Tensor]) -> dict[str, ParamSpec]:

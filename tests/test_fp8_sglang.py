@@ -14,7 +14,9 @@ from collections.abc import Callable  # noqa: E402
 from functools import lru_cache  # noqa: E402
 
 import torch  # noqa: E402
-from fp8_checkpoints import config_dict, fill_bytes, flat_bytes, fp8_checkpoint, hf_tensors, served_in_fp8, specs  # noqa: E402
+from fp8_checkpoints import (  # noqa: E402
+    checkpoint, config_dict, fill_bytes, flat_bytes, fp8_checkpoint, quantizer_of, served_in_fp8, specs,
+)
 from sglang_models import produce, table_of  # noqa: E402
 
 from p2psync.adapters.sglang.key import layout_key  # noqa: E402
@@ -37,18 +39,8 @@ CASES = [
     ("qwen3_moe", 2, 1, "per-tensor", None),
     ("deepseek_v3", 2, 1, "block-linear", 128),
     ("deepseek_v3", 4, 1, "block-linear", 64),
-    ("deepseek_v3", 1, 1, "per-tensor", None),
 ]
 IDS = [f"{k}-tp{t}-ep{e}-{q}{'-' + str(b) if b else ''}" for k, t, e, q, b in CASES]
-
-
-def quantizer_of(name: str, block: int | None) -> quantizers.Quantizer:
-    return quantizers.get(name, None if block is None else [block, block])
-
-
-@lru_cache(maxsize=None)
-def checkpoint(kind: str) -> dict[str, torch.Tensor]:
-    return hf_tensors(kind)
 
 
 def reference(quantizer: quantizers.Quantizer) -> Callable[[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -145,7 +137,7 @@ def qwen3_table(name: str = "block-linear", block: int | None = 128):
 
 
 def refused(table, sources=None, **options) -> str:
-    with pytest.raises(ConnectError, match="^engine 'engine-0' rank 1: ") as info:
+    with pytest.raises(ConnectError, match=f"^engine 'engine-0' rank {table.rank}: ") as info:
         SglangEngineTarget(**options).layout(table, sources or specs(checkpoint("qwen3")))
     return str(info.value)
 
@@ -184,6 +176,16 @@ def test_scale_names_the_engine_does_not_hold_are_refused(monkeypatch):
     text = refused(table)
     assert "the engine holds no scale 'model.layers.0.mlp.gate_proj.weight_scale_inverse' (quantizer 'block-linear' " in text
     assert "names its scales `...weight_scale_inverse`; sglang's loader refuses it: KeyError" in text
+
+
+def test_deepseek_per_tensor_is_refused_where_sglang_drops_a_scale():
+    """sglang fuses q_a_proj and kv_a_proj_with_mqa into one layer and, with per-tensor scales, keeps
+    q_a_proj's scale for both (its loader drops kv_a_proj_with_mqa's): kv_a's weight quantized with
+    its own scale would be served with another."""
+    table = sglang_rank("deepseek_v3", quantizer_of("per-tensor", None), 1, 1, 0)[1]
+    text = refused(table, specs(checkpoint("deepseek_v3")))
+    assert "the engine holds no scale 'model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale' (quantizer " \
+        "'per-tensor' names its scales `...weight_scale`; sglang's loader loads it into no parameter; nor 1 more" in text
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,9 @@ import dataclasses  # noqa: E402
 from functools import lru_cache  # noqa: E402
 
 import torch  # noqa: E402
-from fp8_checkpoints import config_dict, fill_bytes, flat_bytes, fp8_checkpoint, hf_tensors, served_in_fp8, specs  # noqa: E402
+from fp8_checkpoints import (  # noqa: E402
+    checkpoint, config_dict, fill_bytes, flat_bytes, fp8_checkpoint, quantizer_of, served_in_fp8, specs,
+)
 from sglang_models import produce  # noqa: E402
 
 from p2psync.adapters.vllm import shim  # noqa: E402
@@ -37,15 +39,6 @@ CASES = [
     ("deepseek_v3", 4, "block-linear", 64, ()),
 ]
 IDS = [f"{k}-tp{t}-{q}{'-' + str(b) if b else ''}" for k, t, q, b, _ in CASES]
-
-
-def quantizer_of(name: str, block: int | None) -> quantizers.Quantizer:
-    return quantizers.get(name, None if block is None else [block, block])
-
-
-@lru_cache(maxsize=None)
-def checkpoint(kind: str) -> dict[str, torch.Tensor]:
-    return hf_tensors(kind)
 
 
 def vllm_rank(kind: str, quantizer: quantizers.Quantizer, tp: int, rank: int):
@@ -120,13 +113,6 @@ def test_engines_whose_fp8_kernels_rewrite_weights_after_loading_are_refused_nam
         f"fp8 kernels {kernels!r}: vLLM's post-load step (process_weights_after_loading) rewrites fp8 weights "
         "and scales into these kernels' format"
     ) in text
-
-
-def test_a_trainer_tensor_already_fp8_is_refused():
-    sources = specs(checkpoint("qwen3"))
-    name = "model.layers.0.mlp.down_proj.weight"
-    sources[name] = dataclasses.replace(sources[name], dtype="float8_e4m3fn")
-    assert f"trainer tensor '{name}' is already fp8" in refused(qwen3_table(), sources)
 
 
 def test_a_quantizer_the_engines_block_size_does_not_serve_is_refused():
