@@ -119,7 +119,9 @@ def served_in_fp8(engine: str, kind: str, name: str) -> bool:
 Quantize = Callable[[str, torch.Tensor], dict[str, torch.Tensor]]
 
 
-def fp8_checkpoint(engine: str, kind: str, tensors: dict[str, torch.Tensor], quantize: Quantize) -> dict[str, torch.Tensor]:
+def fp8_checkpoint(
+    engine: str, kind: str, tensors: dict[str, torch.Tensor], quantize: Quantize
+) -> dict[str, torch.Tensor]:
     """The fp8 checkpoint of `tensors` for `engine`: each tensor it serves in fp8 cast to bf16 (the
     engine's dtype) and quantized, the others as they are."""
     out: dict[str, torch.Tensor] = {}

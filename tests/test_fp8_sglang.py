@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("sglang", reason="sglang (p2psync[sglang], sglang==0.5.23) is not installed; run `tox -e conformance-sglang`")
+pytest.importorskip(
+    "sglang", reason="sglang (p2psync[sglang], sglang==0.5.23) is not installed; run `tox -e conformance-sglang`"
+)
 pytest.importorskip("transformers", reason="transformers is not installed")
 
 import dataclasses  # noqa: E402
@@ -150,7 +152,8 @@ def test_a_trainer_tensor_already_fp8_is_refused():
     sources = specs(checkpoint("qwen3"))
     name = "model.layers.0.self_attn.q_proj.weight"
     sources[name] = dataclasses.replace(sources[name], dtype="float8_e4m3fn")
-    assert f"trainer tensor '{name}' is already fp8; quantizer 'block-linear' takes bf16" in refused(qwen3_table(), sources)
+    text = refused(qwen3_table(), sources)
+    assert f"trainer tensor '{name}' is already fp8; quantizer 'block-linear' takes bf16" in text
 
 
 def test_a_quantizer_the_engines_block_size_does_not_serve_is_refused():
@@ -174,7 +177,8 @@ def test_scale_names_the_engine_does_not_hold_are_refused(monkeypatch):
     table = qwen3_table()
     monkeypatch.setattr(quantizers.Quantizer, "scale_suffix", property(lambda self: "weight_scale_inverse"))
     text = refused(table)
-    assert "the engine holds no scale 'model.layers.0.mlp.gate_proj.weight_scale_inverse' (quantizer 'block-linear' " in text
+    scale = "model.layers.0.mlp.gate_proj.weight_scale_inverse"
+    assert f"the engine holds no scale '{scale}' (quantizer 'block-linear' " in text
     assert "names its scales `...weight_scale_inverse`; sglang's loader refuses it: KeyError" in text
 
 
@@ -184,8 +188,9 @@ def test_deepseek_per_tensor_is_refused_where_sglang_drops_a_scale():
     its own scale would be served with another."""
     table = sglang_rank("deepseek_v3", quantizer_of("per-tensor", None), 1, 1, 0)[1]
     text = refused(table, specs(checkpoint("deepseek_v3")))
-    assert "the engine holds no scale 'model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale' (quantizer " \
-        "'per-tensor' names its scales `...weight_scale`; sglang's loader loads it into no parameter; nor 1 more" in text
+    scale = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale"
+    assert f"the engine holds no scale '{scale}' (quantizer 'per-tensor' names its scales `...weight_scale`; " \
+        "sglang's loader loads it into no parameter; nor 1 more" in text
 
 
 @pytest.mark.parametrize(
@@ -207,7 +212,8 @@ def test_deepgemm_ue8m0_leaves_64_blocks_and_per_tensor_on_cpu_alone_but_not_per
     table = qwen3_table("block-linear", 64)
     from p2psync.adapters.sglang.key import rank_spec
 
-    rank_spec(with_key(table, fp8_post_load={**table.layout_key["fp8_post_load"], "deepgemm_ue8m0": True}), require_sglang())
+    ue8m0 = {**table.layout_key["fp8_post_load"], "deepgemm_ue8m0": True}
+    rank_spec(with_key(table, fp8_post_load=ue8m0), require_sglang())
     table = qwen3_table("per-tensor", None)
     rank_spec(table, require_sglang())
     cuda = with_key(table, fp8_post_load={**table.layout_key["fp8_post_load"], "platform": "cuda"})

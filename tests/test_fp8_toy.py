@@ -137,7 +137,7 @@ def engine_rank(tp: int, rank: int, tensors: dict[str, torch.Tensor], **key) -> 
         engine_id="fp8-toy-0", rank=rank, world_size=tp, engine="fp8-toy", layout_key=layout_key(tp, **key),
         transport="samehost", transport_info={}, control_url="", job_id="j",
         params=tuple(
-            TargetParam(n, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.data_ptr(), p.numel() * p.element_size())
+            TargetParam(n, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.data_ptr(), p.nbytes)
             for n, p in engine.named_parameters()
         ),
     )
@@ -149,7 +149,8 @@ def produced(layout, tensors: dict[str, torch.Tensor], table: TargetTable) -> di
     for group in layout.groups():
         out = torch.zeros(group.nbytes, dtype=torch.uint8)
         for r in layout.fill(group, tensors, out):
-            held[r.param][r.param_offset : r.param_offset + r.nbytes] = out[r.buffer_offset : r.buffer_offset + r.nbytes]
+            written = out[r.buffer_offset : r.buffer_offset + r.nbytes]
+            held[r.param][r.param_offset : r.param_offset + r.nbytes] = written
     return held
 
 
@@ -243,8 +244,8 @@ def test_scales_the_engine_loads_into_nothing_are_refused(monkeypatch):
     _, _, table = engine_rank(2, 1, tensors)
     monkeypatch.setattr(quantizers.Quantizer, "scale_suffix", property(lambda self: "weight_scale"))
     text = refused(table, specs_of(tensors))
-    assert "the engine holds no scale 'gate.weight_scale' (quantizer 'block-linear' names its scales `...weight_scale`; " \
-        "fp8-toy's loader loads it into no parameter; nor 2 more scales)" in text
+    assert "the engine holds no scale 'gate.weight_scale' (quantizer 'block-linear' names its scales " \
+        "`...weight_scale`; fp8-toy's loader loads it into no parameter; nor 2 more scales)" in text
 
 
 def test_a_quantizer_the_engine_does_not_serve_is_refused():
@@ -297,7 +298,8 @@ def test_a_session_updates_fp8_toy_engines_bit_exact_and_checked(toy_engines):
     tensors = trainer_tensors(seed=1)
     ranks = [engine_rank(2, r, tensors) for r in range(2)]
     rendezvous = toy_engines(ranks)
-    with Session(source=FSDP2Source(trainer_model(tensors)), transport="samehost", rendezvous=rendezvous, check=True) as s:
+    source = FSDP2Source(trainer_model(tensors))
+    with Session(source=source, transport="samehost", rendezvous=rendezvous, check=True) as s:
         s.connect(["fp8-toy-0"])
         assert s.update("v1").ok
     for engine, expected, _ in ranks:

@@ -124,7 +124,8 @@ def test_a_block_size_the_tp_split_does_not_divide_is_refused_with_vllms_reason(
     config = config_dict("qwen3", quantizer_of("block-linear", 256))
     table = with_key(qwen3_table(4, 64), hf_config=config, hf_config_sha256=config_hash(config))
     text = refused(table)
-    assert "vLLM cannot build this rank: Weight input_size_per_partition = 128 is not divisible by weight quantization block_k = 256" in text
+    assert "vLLM cannot build this rank: Weight input_size_per_partition = 128 is not divisible by weight " \
+        "quantization block_k = 256" in text
 
 
 def test_quantization_methods_other_than_fp8_are_refused():

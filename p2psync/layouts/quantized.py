@@ -72,25 +72,15 @@ class QuantizedLayout(Layout):
         params = dict(rank_model.model.named_parameters())
         self.quantized = self._to_quantize(_feeds(table, rank_model, params, sources), params, sources)
         together = [(name, quantizer.scale_name(name)) for name in sources if name in self.quantized]
-        quantized = self._quantized_specs(sources)
-        scales = [scale for _, scale in together]
-        try:
-            feeds = loader_feeds(table, rank_model, params, quantized)
-        except LoaderRefusal as exc:
-            if exc.tensor not in scales:
-                raise
-            raise self._scale_not_held(exc.tensor, f"{table.engine}'s loader refuses it: {exc.cause}") from exc
-        loaded = {hf for hfs in feeds.values() for hf in hfs}
-        unloaded = [scale for scale in scales if scale not in loaded]
-        if unloaded:
-            more = f"; nor {len(unloaded) - 1} more scales" if len(unloaded) > 1 else ""
-            raise self._scale_not_held(unloaded[0], f"{table.engine}'s loader loads it into no parameter{more}")
-        self.inner = EngineLayout(table, quantized, rank_model, mode=mode, together=together, feeds=feeds)
+        checkpoint = self._quantized_specs(sources)
+        feeds = self._scales_loaded(rank_model, params, checkpoint, [scale for _, scale in together])
+        self.inner = EngineLayout(table, checkpoint, rank_model, mode=mode, together=together, feeds=feeds)
         # the same groups, read from the trainer's tensors: a scale is made from its weight
         scale_of = {scale: name for name, scale in together}
         self._inner_of = {g.outputs: g for g in self.inner.groups()}
         self._groups = [
-            ParamGroup(tuple(n for n in g.inputs if n not in scale_of), g.outputs, g.nbytes) for g in self.inner.groups()
+            ParamGroup(tuple(n for n in g.inputs if n not in scale_of), g.outputs, g.nbytes)
+            for g in self.inner.groups()
         ]
         log.info(
             "%s: %d HF tensors quantized by %r (block %s) before the layout",
@@ -196,6 +186,26 @@ class QuantizedLayout(Layout):
             scale = self.quantizer.scale_name(name)
             out[scale] = ParamSpec(scale, self.quantizer.scale_shape(spec.shape), "float32")
         return out
+
+    def _scales_loaded(
+        self, rank_model: RankModel, params: Mapping[str, torch.Tensor], checkpoint: Mapping[str, ParamSpec],
+        scales: Sequence[str],
+    ) -> dict[str, set[str]]:
+        """`loader_feeds` of the quantized checkpoint; ConnectError naming a scale the loader refuses
+        or loads into no parameter (the engine holds no scale of that name)."""
+        engine = self.table.engine
+        try:
+            feeds = loader_feeds(self.table, rank_model, params, checkpoint)
+        except LoaderRefusal as exc:
+            if exc.tensor not in scales:
+                raise
+            raise self._scale_not_held(exc.tensor, f"{engine}'s loader refuses it: {exc.cause}") from exc
+        loaded = {hf for hfs in feeds.values() for hf in hfs}
+        unloaded = [scale for scale in scales if scale not in loaded]
+        if unloaded:
+            more = f"; nor {len(unloaded) - 1} more scales" if len(unloaded) > 1 else ""
+            raise self._scale_not_held(unloaded[0], f"{engine}'s loader loads it into no parameter{more}")
+        return feeds
 
     def _scale_not_held(self, scale: str, why: str) -> ConnectError:
         t = self.table

@@ -63,7 +63,8 @@ class RankModelTarget(EngineTarget):
         return self._quantized_layout(table, sources, rank_model, quantization)
 
     def _quantized_layout(
-        self, table: TargetTable, sources: Mapping[str, ParamSpec], rank_model: RankModel, quantization: EngineQuantization
+        self, table: TargetTable, sources: Mapping[str, ParamSpec], rank_model: RankModel,
+        quantization: EngineQuantization,
     ) -> Layout:
         import torch
 

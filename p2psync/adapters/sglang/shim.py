@@ -140,7 +140,9 @@ def fp8_post_load_settings() -> dict[str, Any]:
     from sglang.srt.layers import deep_gemm_wrapper
     from sglang.srt.layers.quantization import fp8
 
-    platforms = (("hip", fp8._is_hip), ("npu", fp8._is_npu), ("xpu", fp8._is_xpu), ("musa", fp8._is_musa), ("cuda", fp8._is_cuda))
+    platforms = (
+        ("hip", fp8._is_hip), ("npu", fp8._is_npu), ("xpu", fp8._is_xpu), ("musa", fp8._is_musa), ("cuda", fp8._is_cuda)
+    )
     platform = next((name for name, on in platforms if on), "cpu")
     return {
         "platform": platform,

@@ -31,7 +31,7 @@ def layout_key(vllm_config: Any, model: torch.nn.Module | None = None) -> dict[s
     hf_config = json.loads(config.hf_config.to_json_string(use_diff=False))
     fp8 = config.quantization == "fp8"
     if fp8 and model is None:
-        raise ValueError("the layout key of an fp8 vLLM rank needs its model (its fp8 kernels decide its post-load step)")
+        raise ValueError("an fp8 vLLM rank's layout key needs its model (its fp8 kernels decide its post-load step)")
     return {
         "vllm": shim.version(),
         "architecture": config.architectures[0],
