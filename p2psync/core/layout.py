@@ -64,6 +64,11 @@ class Layout(ABC):
         alone is not part of any region.
         """
 
+    def left_alone(self) -> Sequence[str]:
+        """Target parameters in no group: the engine keeps what it set there, as its own loader
+        does (an fp8 engine's kv-cache scales, which the checkpoint does not carry). None by default."""
+        return ()
+
     def copy_dtype(self, group: ParamGroup) -> str | None:
         """The dtype of all of `group`'s outputs when `fill` only copies input elements into
         them (casting to it, plus constants): then inputs cast to that dtype before the

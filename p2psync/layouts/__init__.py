@@ -9,6 +9,6 @@ does more. Nothing here knows an engine.
 from __future__ import annotations
 
 from .rank_model import ParameterHolders, RankModel
-from .target import LayoutOptions, RankModelTarget
+from .target import EngineQuantization, LayoutOptions, RankModelTarget
 
-__all__ = ["LayoutOptions", "ParameterHolders", "RankModel", "RankModelTarget"]
+__all__ = ["EngineQuantization", "LayoutOptions", "ParameterHolders", "RankModel", "RankModelTarget"]

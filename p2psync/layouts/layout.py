@@ -73,23 +73,33 @@ class EngineLayout(Layout):
 
     `mode` "copy_map": strided copies, the engine's loader only for parameters whose bytes
     are not copies of the inputs (per parameter); "replica": the engine's loader for every
-    group. Raises ConnectError, naming engine, rank and parameter, for a table that
-    disagrees with the rank model, a parameter no HF tensor feeds, or an HF tensor the
-    loader refuses.
+    group. `together`: pairs of HF tensors to produce in one group (a quantized weight and its
+    scale, which an engine's loader may read together); `feeds`: `loader_feeds` of these
+    sources where the caller has traced them already. Raises ConnectError, naming engine,
+    rank and parameter, for a table that disagrees with the rank model, a parameter no HF
+    tensor feeds, or an HF tensor the loader refuses.
     """
 
-    def __init__(self, table: TargetTable, sources: Mapping[str, ParamSpec], rank_model: RankModel, *, mode: Mode) -> None:
+    def __init__(
+        self, table: TargetTable, sources: Mapping[str, ParamSpec], rank_model: RankModel, *, mode: Mode,
+        together: Sequence[tuple[str, str]] = (), feeds: Mapping[str, set[str]] | None = None,
+    ) -> None:
         self.table = table
         self._holders = ParameterHolders(rank_model.model)
         check_params(table, self._holders.params)
-        feeds = self._trace(rank_model, sources)
-        unfed = [name for name in self._holders.params if name not in feeds]
+        if feeds is None:
+            feeds = loader_feeds(table, rank_model, self._holders.params, sources)
+        unloaded = rank_model.unloaded_params()
+        self._left_alone = [name for name in self._holders.params if name in unloaded and name not in feeds]
+        unfed = [name for name in self._holders.params if name not in feeds and name not in unloaded]
         if unfed:
             raise ConnectError(
                 f"{where(table.engine_id, table.rank, unfed[0])}: no HF tensor of the trainer is loaded into it"
                 + (f" (nor into {len(unfed) - 1} more)" if len(unfed) > 1 else "")
             )
-        edges = ((hf, param) for param, hfs in feeds.items() for hf in hfs)
+        edges = [(hf, param) for param, hfs in feeds.items() for hf in hfs]
+        # HF tensors produced together join through the parameters either feeds
+        edges += [(b, param) for a, b in together for param, hfs in feeds.items() if a in hfs]
         self._groups: dict[tuple[str, ...], _Group] = {}
         for inputs, outputs in connected_groups(edges, list(sources), list(self._holders.params)):
             group = self._compile(rank_model, [sources[n] for n in inputs], outputs, mode)
@@ -115,6 +125,9 @@ class EngineLayout(Layout):
 
     def groups(self) -> Sequence[ParamGroup]:
         return [g.group for g in self._groups.values()]
+
+    def left_alone(self) -> Sequence[str]:
+        return self._left_alone
 
     def fill(self, group: ParamGroup, tensors: Mapping[str, torch.Tensor], out: torch.Tensor) -> list[Region]:
         compiled = self._groups[group.outputs]
@@ -153,25 +166,6 @@ class EngineLayout(Layout):
         return regions
 
     # -- compile ---------------------------------------------------------------------------
-
-    def _trace(self, rank_model: RankModel, sources: Mapping[str, ParamSpec]) -> dict[str, set[str]]:
-        """Which HF tensors feed which parameter; a ConnectError naming the HF tensor the loader refuses."""
-        params = self._holders.params
-        try:
-            return trace_feeds(rank_model.load, params, list(sources.values()))
-        except Exception:  # engines' loaders raise anything (asserts, shape errors) on a bad tensor
-            for spec in sources.values():
-                try:
-                    trace_feeds(rank_model.load, params, [spec])
-                except Exception as one:
-                    exc, culprit = one, f"HF tensor {spec.name!r} {list(spec.shape)} {spec.dtype}"
-                    break
-            else:
-                raise
-            raise ConnectError(
-                f"{where(self.table.engine_id, self.table.rank)}: {self.table.engine}'s loader refuses "
-                f"{culprit}: {type(exc).__name__}: {exc}"
-            ) from exc
 
     def _compile(self, rank_model: RankModel, inputs: Sequence[ParamSpec], outputs: tuple[str, ...], mode: Mode) -> _Group:
         slots, offset = [], 0
@@ -222,6 +216,37 @@ class EngineLayout(Layout):
             return blocks
         log.debug("%s: its copies do not reproduce the loader's bytes", where(self.table.engine_id, self.table.rank, slot.name))
         return None
+
+
+class LoaderRefusal(ConnectError):
+    """The engine's loader refuses HF tensor `tensor` (`cause`: what it raised)."""
+
+    def __init__(self, message: str, tensor: str, cause: str) -> None:
+        super().__init__(message)
+        self.tensor, self.cause = tensor, cause
+
+
+def loader_feeds(
+    table: TargetTable, rank_model: RankModel, params: Mapping[str, torch.Tensor], sources: Mapping[str, ParamSpec]
+) -> dict[str, set[str]]:
+    """Which HF tensors feed which parameter (traced on meta); a LoaderRefusal naming the HF
+    tensor the engine's loader refuses."""
+    try:
+        return trace_feeds(rank_model.load, params, list(sources.values()))
+    except Exception:  # engines' loaders raise anything (asserts, shape errors) on a bad tensor
+        for spec in sources.values():
+            try:
+                trace_feeds(rank_model.load, params, [spec])
+            except Exception as one:
+                exc, culprit = one, spec
+                break
+        else:
+            raise
+        cause = f"{type(exc).__name__}: {exc}"
+        raise LoaderRefusal(
+            f"{where(table.engine_id, table.rank)}: {table.engine}'s loader refuses HF tensor {culprit.name!r} "
+            f"{list(culprit.shape)} {culprit.dtype}: {cause}", culprit.name, cause,
+        ) from exc
 
 
 def check_params(table: TargetTable, params: Mapping[str, torch.Tensor]) -> None:

@@ -156,6 +156,13 @@ class Quantizer:
             )
         return hf_name[: -len("weight")] + self.scale_suffix
 
+    def scale_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """The shape of the scale `quantize` gives a tensor of `shape` (..., M, N)."""
+        *lead, m, n = shape
+        if self.block is None:
+            return tuple(lead)
+        return (*lead, -(-m // self.block[0]), -(-n // self.block[1]))
+
     def quantize(self, hf_name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         """{hf_name: float8_e4m3fn weight, scale name: float32 scale}, on `tensor`'s device."""
         scale_name = self.scale_name(hf_name)
@@ -216,3 +223,17 @@ def get(name: str, block: Sequence[int] | None = None) -> Quantizer:
     if len(block) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
         raise QuantizerError(f"quantizer {name!r} needs a block size [rows, cols] of two positive ints, not {block!r}")
     return Quantizer(name, (block[0], block[1]))
+
+
+def for_engine(engine_config: Mapping[str, Any], name: str | None = None) -> Quantizer:
+    """The quantizer for an engine serving `engine_config` (its HF `quantization_config`): `name`,
+    or by default `block-linear` at the engine's `weight_block_size` (absmax / 448 scales: what
+    slime, miles and verl send, and what DeepSeek-V3's and Qwen3's fp8 checkpoints hold, which
+    the engines load as they are) or `per-tensor` where the engine has no block size. Raises
+    QuantizerError where the engine does not load its tensors as they are (`check_serves`)."""
+    block = engine_config.get("weight_block_size")
+    if name is None:
+        name = "block-linear" if block is not None else "per-tensor"
+    quantizer = get(name, None if name in PER_TENSOR else (list(block) if block is not None else None))
+    quantizer.check_serves(engine_config)
+    return quantizer

@@ -29,6 +29,12 @@ class RankModel(ABC):
         """The engine's own loader for these HF tensors, writing into `model`'s parameters
         (those on meta take shape-only no-op writes)."""
 
+    def unloaded_params(self) -> frozenset[str]:
+        """Parameters the engine's loader leaves as the engine set them, since no HF tensor of a
+        trainer is ever loaded into them (an fp8 engine's kv-cache scales, 1.0 where the checkpoint
+        has none): layouts write nothing there. None by default: every parameter must be fed."""
+        return frozenset()
+
     def post_load(self) -> None:
         """The engine's step after loading (derived tensors such as DeepSeek MLA's `w_kc`),
         which an engine runs after each update once the new bytes are in place. None by default."""

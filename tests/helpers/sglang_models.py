@@ -11,6 +11,16 @@ from p2psync.conformance.harness.expected import SGLANG_FILL, sglang_loaded
 from p2psync.core.types import ParamSpec, TargetParam, TargetTable
 
 _COMMON = dict(vocab_size=160, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128)
+#: sglang's DeepSeek attention on CPU supports YaRN rotary embeddings only
+DEEPSEEK_CPU_ROPE = {
+    "rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 64,
+    "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+}
+
+
+def add_deepseek_fields(cfg: Any) -> None:
+    """Fields sglang (and vLLM) read that transformers' DeepseekV3Config lacks."""
+    cfg.moe_layer_freq, cfg.topk_method, cfg.scoring_func, cfg.norm_topk_prob = 1, "noaux_tc", "sigmoid", True
 
 
 def hf_config(kind: str) -> Any:
@@ -31,17 +41,16 @@ def hf_config(kind: str) -> Any:
             **_COMMON, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
             num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, num_key_value_heads=4,
             q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-            tie_word_embeddings=False,
-            # sglang's DeepSeek attention on CPU supports YaRN rotary embeddings only
-            rope_parameters={
-                "rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 64,
-                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
-            },
+            tie_word_embeddings=False, rope_parameters=DEEPSEEK_CPU_ROPE,
         )
-        # fields sglang reads that transformers' DeepseekV3Config lacks
-        cfg.moe_layer_freq, cfg.topk_method, cfg.scoring_func, cfg.norm_topk_prob = 1, "noaux_tc", "sigmoid", True
+        add_deepseek_fields(cfg)
     else:
         raise ValueError(kind)
+    return as_checkpoint(cfg)
+
+
+def as_checkpoint(cfg: Any) -> Any:
+    """`cfg` as a bfloat16 checkpoint's config names it (its architecture)."""
     cfg.architectures = [type(cfg).__name__.replace("Config", "ForCausalLM")]
     cfg.torch_dtype = "bfloat16"
     return cfg

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 from ...core.endpoint import EngineEndpoint, EngineHooks
 from ...core.transport import Transport
-from .key import layout_key
-from .shim import TargetAndDraft, hf_config_dict, post_load
+from .key import fp8_config, layout_key
+from .shim import TargetAndDraft, fp8_post_load_settings, hf_config_dict, post_load
 
 if TYPE_CHECKING:
     import torch
@@ -48,6 +48,8 @@ def serve(
     """
     import sglang
 
+    hf_config = hf_config_dict(model_config)
+    fp8_post_load = fp8_post_load_settings() if fp8_config(hf_config) else None
     if draft is not None:
         model = TargetAndDraft(model, draft)
     return EngineEndpoint.serve(
@@ -57,7 +59,7 @@ def serve(
         world_size=int(server_args.tp_size),
         params={name: p.data for name, p in model.named_parameters()},
         layout_key=layout_key(
-            server_args, hf_config_dict(model_config), str(model_config.dtype), sglang.__version__,
+            server_args, hf_config, str(model_config.dtype), sglang.__version__, fp8_post_load,
             draft_published=draft is not None,
         ),
         transport=transport,

@@ -109,6 +109,9 @@ class SglangRankModel(RankModel):
         with self.active():
             self.model.load_weights(list(items))
 
+    def unloaded_params(self) -> frozenset[str]:
+        return attention_scales(self.model)
+
     def post_load(self) -> None:
         post_load(self.model)
 
@@ -140,9 +143,6 @@ class TargetAndDraft(torch.nn.Module):
         post_load_weights(self.target)
         post_load_weights(self.draft)
 
-
-
-
 @contextmanager
 def draft_scope() -> Iterator[None]:
     """What sglang's EAGLE worker enters to build and load its draft (`EAGLEWorkerV2.__init__`):
@@ -172,6 +172,40 @@ def share_embed_and_head(target: torch.nn.Module, draft: torch.nn.Module) -> Non
         draft.set_embed_and_head(embed, head)
     finally:
         torch.cuda.synchronize = sync
+
+
+def attention_scales(model: torch.nn.Module) -> frozenset[str]:
+    """The kv-cache scales sglang gives attention layers of fp8 models (DeepSeek's `attn_mqa.k_scale`):
+    an fp8 checkpoint without them leaves them as sglang set them, and so do layouts."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    return frozenset(
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules() if isinstance(module, RadixAttention)
+        for name, _ in module.named_parameters(recurse=False)
+    )
+
+
+def fp8_post_load_settings() -> dict[str, Any]:
+    """What decides, in this process, whether sglang's step after loading an fp8 checkpoint
+    (`process_weights_after_loading` of its fp8 methods) rewrites the fp8 weights and scales
+    (sglang 0.5.23, `layers/quantization/fp8.py`): the platform (ROCm converts to e4m3fnuz and may
+    shuffle for aiter), SGLANG_USE_CPU_ENGINE (AMX prepacking on CPU), and DeepGEMM with UE8M0
+    scales (Blackwell: [128, 128] scales requantized to powers of two and packed). Evaluated
+    where the engine runs: it goes into the layout key."""
+    require_sglang()
+    from sglang.srt.layers import deep_gemm_wrapper
+    from sglang.srt.layers.quantization import fp8
+
+    platforms = (
+        ("hip", fp8._is_hip), ("npu", fp8._is_npu), ("xpu", fp8._is_xpu), ("musa", fp8._is_musa), ("cuda", fp8._is_cuda)
+    )
+    platform = next((name for name, on in platforms if on), "cpu")
+    return {
+        "platform": platform,
+        "cpu_amx_engine": bool(fp8._is_cpu),
+        "deepgemm_ue8m0": bool(deep_gemm_wrapper.ENABLE_JIT_DEEPGEMM and deep_gemm_wrapper.DEEPGEMM_SCALE_UE8M0),
+    }
 
 
 def post_load(model: torch.nn.Module) -> None:
@@ -236,7 +270,7 @@ def build_rank_model(spec: RankSpec, device: str) -> SglangRankModel:
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.distributed import parallel_state
     from sglang.srt.layers.moe.utils import initialize_moe_config
-    from sglang.srt.model_loader.loader import _initialize_model
+    from sglang.srt.model_loader.loader import _get_quantization_config, _initialize_model
     from sglang.srt.model_loader.utils import set_default_torch_dtype
     from sglang.srt.runtime_context import SpawnRanks, create_context, use_context
 
@@ -251,12 +285,16 @@ def build_rank_model(spec: RankSpec, device: str) -> SglangRankModel:
             _init_groups(parallel_state, spec)
             initialize_moe_config()  # as sglang's scheduler does: the MoE backends of target and draft
             model_config = ModelConfig.from_server_args(args)
+            # what sglang's own loader passes: the checkpoint's quantization (fp8) or None
+            quant_config = _get_quantization_config(model_config, LoadConfig())
             with set_default_torch_dtype(model_config.dtype), torch.device(device):
-                model = _initialize_model(model_config, LoadConfig(), None)
+                model = _initialize_model(model_config, LoadConfig(), quant_config)
                 if spec.draft:
                     draft_config = ModelConfig.from_server_args(args, is_draft_model=True)
                     with draft_scope():
-                        draft = _initialize_model(draft_config, LoadConfig(), None)
+                        draft = _initialize_model(
+                            draft_config, LoadConfig(), _get_quantization_config(draft_config, LoadConfig())
+                        )
                     share_embed_and_head(model, draft)
                     model = TargetAndDraft(model, draft)
     return SglangRankModel(model.eval(), context, args, model_config)

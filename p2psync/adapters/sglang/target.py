@@ -8,14 +8,14 @@ from ...core.endpoint import EndpointControl
 from ...core.engine import EngineControl
 from ...core.errors import ConnectError, where
 from ...core.types import TargetTable
-from ...layouts import RankModel, RankModelTarget
+from ...layouts import EngineQuantization, RankModel, RankModelTarget
 
 
 class SglangEngineTarget(RankModelTarget):
     """sglang engines: ranks running `p2psync.adapters.sglang.serve` (standalone, or inside a
     server through the plugin: then paused and resumed through the server's API), or a
     real sglang server whose tables `publish_server` made (controlled through its own API).
-    Options: `LayoutOptions`.
+    Options: `LayoutOptions` (`quantizer` for fp8 engines).
     """
 
     name = "sglang"
@@ -29,7 +29,17 @@ class SglangEngineTarget(RankModelTarget):
             version = require_sglang()
         except (ImportError, RuntimeError) as exc:
             raise ConnectError(f"{where(table.engine_id, table.rank)}: this trainer cannot build sglang layouts: {exc}") from exc
-        return build_rank_model(rank_spec(table, version), "meta")
+        spec = rank_spec(table, version)
+        try:
+            return build_rank_model(spec, "meta")
+        except ValueError as exc:  # sglang's own refusals, e.g. a TP split its fp8 block size does not divide
+            raise ConnectError(f"{where(table.engine_id, table.rank)}: sglang cannot build this rank: {exc}") from exc
+
+    def quantization(self, table: TargetTable) -> EngineQuantization | None:
+        from .key import fp8_config
+
+        config = fp8_config(table.layout_key["config"])
+        return None if config is None else EngineQuantization(config, str(table.layout_key["dtype"]))
 
     def control(self, tables: Sequence[TargetTable], *, timeout: float, token: str = "") -> EngineControl:
         from .server import SERVER_CONTROL, ServedControl, ServerControl

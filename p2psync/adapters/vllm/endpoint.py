@@ -44,7 +44,7 @@ def serve(
         rank=rank,
         world_size=vllm_config.parallel_config.tensor_parallel_size,
         params={name: p.data for name, p in model.named_parameters()},
-        layout_key=layout_key(vllm_config),
+        layout_key=layout_key(vllm_config, model),
         transport=transport,
         transport_options=transport_options,
         rendezvous=rendezvous,

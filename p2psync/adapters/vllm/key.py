@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...core.errors import ConnectError, where
 from ...core.types import TargetTable
 from . import shim
+
+if TYPE_CHECKING:
+    import torch
 
 
 def config_hash(hf_config: dict[str, Any]) -> str:
@@ -40,14 +43,19 @@ def _speculative(vllm_config: Any) -> dict[str, Any] | None:
     return {"method": spec.method, "draft_architecture": spec.draft_model_config.architectures[0], "published": False}
 
 
-def layout_key(vllm_config: Any) -> dict[str, Any]:
-    """The key of a rank of a vLLM engine: its parallelism, expert placement, dtype, quantization,
-    speculative draft, HF config and the vLLM version it runs."""
-    model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    hf_config = json.loads(model.hf_config.to_json_string(use_diff=False))
+def layout_key(vllm_config: Any, model: torch.nn.Module | None = None) -> dict[str, Any]:
+    """The key of a rank of a vLLM engine: its parallelism, expert placement, dtype, quantization
+    (the checkpoint's `quantization_config` travels in the HF config), speculative draft, HF config
+    and the vLLM version it runs; for fp8, the kernels of the rank's `model` (`shim.fp8_kernels`),
+    which decide its post-load step."""
+    config, parallel = vllm_config.model_config, vllm_config.parallel_config
+    hf_config = json.loads(config.hf_config.to_json_string(use_diff=False))
+    fp8 = config.quantization == "fp8"
+    if fp8 and model is None:
+        raise ValueError("an fp8 vLLM rank's layout key needs its model (its fp8 kernels decide its post-load step)")
     return {
         "vllm": shim.version(),
-        "architecture": model.architectures[0],
+        "architecture": config.architectures[0],
         "hf_config_sha256": config_hash(hf_config),
         "hf_config": hf_config,
         "tp": parallel.tensor_parallel_size,
@@ -58,10 +66,36 @@ def layout_key(vllm_config: Any) -> dict[str, Any]:
         "redundant_experts": int(parallel.eplb_config.num_redundant_experts),
         "expert_placement": str(parallel.expert_placement_strategy),
         "elastic_ep": bool(parallel.enable_elastic_ep),
-        "dtype": str(model.dtype).removeprefix("torch."),
-        "quantization": model.quantization,
+        "dtype": str(config.dtype).removeprefix("torch."),
+        "quantization": config.quantization,
+        "fp8_kernels": shim.fp8_kernels(model) if fp8 and model is not None else None,
         "speculative": _speculative(vllm_config),
     }
+
+
+def fp8_config(table: TargetTable) -> dict[str, Any] | None:
+    """The fp8 `quantization_config` of `table`'s checkpoint, None for an unquantized one."""
+    if table.layout_key.get("quantization") != "fp8":
+        return None
+    return dict(table.layout_key["hf_config"]["quantization_config"])
+
+
+def _quantization_problem(key: dict[str, Any]) -> str | None:
+    quantization = key.get("quantization")
+    if not quantization:
+        return None
+    if quantization != "fp8":
+        return f"quantization {quantization!r} is not supported (fp8 is)"
+    if "quantization_config" not in key.get("hf_config", {}):
+        return "quantization 'fp8' without a quantization_config in the HF config: vLLM quantizes while loading"
+    linear = (key.get("fp8_kernels") or {}).get("linear")
+    if linear != [shim.FP8_STAND_IN]:
+        return (
+            f"fp8 kernels {key.get('fp8_kernels')!r}: vLLM's post-load step (process_weights_after_loading) "
+            "rewrites fp8 weights and scales into these kernels' format, which p2psync cannot redo after its "
+            "writes yet; only ranks holding the loader's format (p2psync's CPU rank models) are served"
+        )
+    return None
 
 
 def engine_config_of(table: TargetTable) -> Any:
@@ -73,8 +107,9 @@ def engine_config_of(table: TargetTable) -> Any:
         problems.append(f"engine runs vllm {key.get('vllm')}, layouts are pinned to {shim.VLLM_VERSION}")
     if "hf_config" not in key or config_hash(key["hf_config"]) != key.get("hf_config_sha256"):
         problems.append("the HF config in the layout key does not match its hash")
-    if key.get("quantization"):
-        problems.append(f"quantization {key['quantization']!r} is not supported")
+    quantization = _quantization_problem(key)
+    if quantization:
+        problems.append(quantization)
     for entry, (setting, trivial, why) in _PLACEMENTS.items():
         if key.get(entry, trivial) != trivial:
             problems.append(f"{setting}={key[entry]!r}: {why}")

@@ -149,10 +149,79 @@ def build_model(vllm_config: Any, rank: int, device: str) -> torch.nn.Module:
     shared, compilation.static_forward_context = compilation.static_forward_context, {}
     try:
         dtype = set_default_torch_dtype(vllm_config.model_config.dtype)
-        with rank_state(vllm_config, rank), dtype, torch.device(device):
+        with rank_state(vllm_config, rank), dtype, torch.device(device), _fp8_kernel_stand_in():
             return initialize_model(vllm_config=vllm_config)
     finally:
         compilation.static_forward_context = shared
+
+
+#: The name `fp8_kernels` reports for `_Fp8KernelStandIn`.
+FP8_STAND_IN = "p2psync-cpu-stand-in"
+
+
+class _Fp8KernelStandIn:
+    """Takes the place of vLLM's fp8 linear kernel in rank models built on a machine without CUDA.
+
+    vLLM's `Fp8LinearMethod.create_weights` picks a GEMM kernel after making the parameters, and
+    on a CPU without AMX (vLLM's CPU fp8 kernels need it) there is none: the model would not build,
+    on meta either. The kernel does not shape the parameters, only how they are multiplied and
+    post-processed, and a rank model is never run or post-processed: this stands in. With CUDA,
+    vLLM's own choice is made as in an engine.
+    """
+
+    name = FP8_STAND_IN
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        raise RuntimeError("p2psync's CPU stand-in for vLLM's fp8 kernel has no post-load step")
+
+    def apply_weights(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise RuntimeError("p2psync's CPU stand-in for vLLM's fp8 kernel does not compute")
+
+
+@contextmanager
+def _fp8_kernel_stand_in() -> Iterator[None]:
+    import torch
+
+    if torch.cuda.is_available():
+        yield
+        return
+    from vllm.model_executor.layers.quantization import fp8
+
+    chosen = fp8.init_fp8_linear_kernel
+    fp8.init_fp8_linear_kernel = lambda **kwargs: _Fp8KernelStandIn()
+    try:
+        yield
+    finally:
+        fp8.init_fp8_linear_kernel = chosen
+
+
+def fp8_kernels(model: torch.nn.Module) -> dict[str, list[str]]:
+    """The fp8 GEMM kernels of `model`'s quantized layers (`linear`: vLLM's kernel class, or the CPU
+    stand-in; `moe`: its fp8 MoE backend): what decides how vLLM's post-load step rewrites fp8
+    weights and scales. Read where the engine runs: it goes into the layout key."""
+    from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod, Fp8MoEMethod
+
+    linear, moe = set(), set()
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, Fp8LinearMethod):
+            kernel = method.fp8_linear
+            linear.add(getattr(kernel, "name", type(kernel).__name__))
+        elif isinstance(method, Fp8MoEMethod):
+            moe.add(str(method.fp8_backend))
+    return {"linear": sorted(linear), "moe": sorted(moe)}
+
+
+def attention_scales(model: torch.nn.Module) -> frozenset[str]:
+    """The kv-cache scales vLLM gives attention layers of fp8 models (`attn.k_scale`, ...): an fp8
+    checkpoint without them leaves them as vLLM set them, and so do layouts."""
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    return frozenset(
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules() if isinstance(module, AttentionLayerBase)
+        for name, _ in module.named_parameters(recurse=False)
+    )
 
 
 class VllmRankModel(RankModel):
@@ -165,6 +234,9 @@ class VllmRankModel(RankModel):
 
     def load(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
         load_weights(self.model, self.config, self.rank, items)
+
+    def unloaded_params(self) -> frozenset[str]:
+        return attention_scales(self.model)
 
 
 def load_weights(

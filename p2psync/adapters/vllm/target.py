@@ -6,13 +6,14 @@ from collections.abc import Sequence
 
 from ...core.endpoint import EndpointControl
 from ...core.engine import EngineControl
+from ...core.errors import ConnectError, where
 from ...core.types import TargetTable
-from ...layouts import RankModel, RankModelTarget
+from ...layouts import EngineQuantization, RankModel, RankModelTarget
 
 
 class VllmEngineTarget(RankModelTarget):
     """vLLM engine ranks that run p2psync's endpoint (see `endpoint.serve` and the
-    `p2psync` weight-transfer backend). Options: `LayoutOptions`."""
+    `p2psync` weight-transfer backend). Options: `LayoutOptions` (`quantizer` for fp8 engines)."""
 
     name = "vllm"
     requires = ("vllm",)
@@ -21,7 +22,17 @@ class VllmEngineTarget(RankModelTarget):
         from .key import engine_config_of
         from .shim import VllmRankModel
 
-        return VllmRankModel(engine_config_of(table), table.rank)
+        config = engine_config_of(table)
+        try:
+            return VllmRankModel(config, table.rank)
+        except ValueError as exc:  # vLLM's own refusals, e.g. a TP split its fp8 block size does not divide
+            raise ConnectError(f"{where(table.engine_id, table.rank)}: vLLM cannot build this rank: {exc}") from exc
+
+    def quantization(self, table: TargetTable) -> EngineQuantization | None:
+        from .key import fp8_config
+
+        config = fp8_config(table)
+        return None if config is None else EngineQuantization(config, str(table.layout_key["dtype"]))
 
     def control(self, tables: Sequence[TargetTable], *, timeout: float, token: str = "") -> EngineControl:
         return EndpointControl(tables, timeout=timeout, token=token)
