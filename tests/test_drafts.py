@@ -135,7 +135,7 @@ def trainer_process(rank: int, opts: Any, port: int, results: Any) -> None:
 
     from p2psync.adapters.fsdp2 import FSDP2Source
     from p2psync.core.session import Session
-    from p2psync.demo import join_trainer_world
+    from p2psync.conformance.harness import join_trainer_world
 
     model = trainer_model()
     rendezvous = join_trainer_world(rank, opts, port)
