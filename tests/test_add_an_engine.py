@@ -18,13 +18,16 @@ import torch
 from torch import nn
 
 from p2psync.conformance import EngineCase, EngineTargetTests
-from p2psync.conformance.base import specs_of
+from p2psync.conformance.base import row_shards, specs_of
 from p2psync.core.endpoint import EndpointControl, EngineEndpoint
+from p2psync.core.gatherfree import compile_packing
 from p2psync.core.rendezvous import Rendezvous
 from p2psync.core.session import Session
+from p2psync.core.source import LocalShard
 from p2psync.core.types import TargetParam, TargetTable
 from p2psync.layouts import RankModel, RankModelTarget
 from p2psync.layouts.layout import EngineLayout
+from tests.helpers.doubles import DictSource
 
 VOCAB, HIDDEN, HEADS, HEAD_DIM, LAYERS = 50, 16, 4, 4, 2
 
@@ -195,7 +198,6 @@ def test_a_session_updates_toy_engines_bit_exact_with_their_own_loader():
         del registry().entries["engine_targets"]["toy"]
 
 
-
 def test_a_rank_holding_nothing_of_a_tensor_has_no_runs_for_it():
     sources = {n: t.detach().clone() for n, t in hf_model(0).state_dict().items()}
     _, _, table = engine_rank(2, 0, sources)
@@ -208,3 +210,113 @@ def test_a_rank_holding_nothing_of_a_tensor_has_no_runs_for_it():
     assert [(r.source, r.param_offset, r.source_offset, r.numel) for r in runs] == [
         ("layers.0.k.weight", rows * HIDDEN, 0, rows * HIDDEN)
     ]
+
+
+# -- gather-free: the shared room's copy maps give a new engine gather-free sends too --------
+
+
+class ShardSource(DictSource):
+    """Plain tensors, of which this rank claims `claims[name]` (flat element ranges; default:
+    all of each) as its local shards."""
+
+    name = "test-shards"
+
+    def __init__(self, tensors: dict[str, torch.Tensor], claims: dict[str, tuple] | None = None) -> None:
+        super().__init__(tensors)
+        self.claims = claims or {}
+
+    def local_shards(self, names):
+        out = {}
+        for name in names:
+            flat = self.tensors[name].reshape(-1)
+            ranges = self.claims.get(name, ((0, flat.numel()),))
+            out[name] = LocalShard(ranges, torch.cat([flat[a:b] for a, b in ranges]) if ranges else flat[:0])
+        return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize(("tp", "rank"), [(2, 0), (4, 3)])
+def test_every_trainer_ranks_packings_rebuild_the_loaders_bytes(world, tp, rank):
+    """What the session sends gather-free: each of `world` trainer ranks, holding its rows of
+    every HF tensor (as FSDP2 shards them), packs its runs (`compile_packing`, then `fill`
+    from its local data); rank 0 adds the constants; the groups that are not copies are
+    filled from gathered tensors. Landed on the rank's initial bytes, every byte equals the
+    toy's own loader's, and no byte is written twice."""
+    sources = {n: t.detach().clone() for n, t in hf_model(0).state_dict().items()}
+    engine, expected, table = engine_rank(tp, rank, sources)
+    layout = ToyTarget().layout(table, specs_of(sources))
+    params = {p.name: p for p in table.params}
+    held = {n: p.data.view(-1).view(torch.uint8).clone() for n, p in engine.named_parameters()}
+    written = {n: torch.zeros(t.numel(), dtype=torch.bool) for n, t in held.items()}
+
+    def land(regions, out):
+        for r in regions:
+            assert not written[r.param][r.param_offset : r.param_offset + r.nbytes].any(), f"{r.param} written twice"
+            held[r.param][r.param_offset : r.param_offset + r.nbytes] = out[r.buffer_offset : r.buffer_offset + r.nbytes]
+            written[r.param][r.param_offset : r.param_offset + r.nbytes] = True
+
+    copies = [g for g in layout.groups() if layout.copy_runs(g, {}) is not None]
+    assert copies and len(copies) < len(layout.groups()), "the toy has both kinds of groups"
+    for group in layout.groups():
+        if group not in copies:
+            out = torch.zeros(group.nbytes, dtype=torch.uint8)
+            land(layout.fill(group, sources, out), out)
+    for trainer in range(world):
+        ranges = row_shards(sources, world, trainer)
+        shards = ShardSource(sources, {n: tuple(r) for n, r in ranges.items()}).local_shards(list(sources))
+        for group in copies:
+            inputs = {n: ranges[n] for n in group.inputs}
+            packing = compile_packing(layout, group, inputs, params, with_constants=trainer == 0)
+            out = torch.zeros(packing.nbytes, dtype=torch.uint8)
+            packing.fill(shards, out)
+            land(packing.regions, out)
+    for name, data in held.items():
+        assert torch.equal(data, expected[name].view(-1).view(torch.uint8)), f"{name}: bytes differ from the loader's"
+
+
+def test_strided_runs_pack_into_one_copy_and_one_write():
+    """The toy splits `o` by columns: from a trainer rank holding whole rows, each row is a run of
+    the target; packed back to back they are one strided copy, and, contiguous on the target,
+    one write."""
+    sources = {n: t.detach().clone() for n, t in hf_model(0).state_dict().items()}
+    _, _, table = engine_rank(2, 1, sources)
+    layout = ToyTarget().layout(table, specs_of(sources))
+    (o,) = [g for g in layout.groups() if g.outputs == ("layers.0.o",)]
+    whole = {"layers.0.o.weight": [(0, HIDDEN * HEADS * HEAD_DIM)]}
+    assert len(layout.copy_runs(o, whole)) == HIDDEN
+    packing = compile_packing(layout, o, whole, {p.name: p for p in table.params}, with_constants=False)
+    (copy,) = packing.copies
+    assert (copy.count, copy.length, copy.stride, copy.first) == (HIDDEN, HEADS // 2 * HEAD_DIM, HEADS * HEAD_DIM, 8)
+    assert [(r.param, r.param_offset, r.nbytes) for r in packing.regions] == [("layers.0.o", 0, HIDDEN * 8 * 4)]
+
+
+@pytest.mark.parametrize("claims", ["whole", "overlapping"])
+def test_a_gather_free_session_updates_toy_engines_bit_exact(claims):
+    """Session(gather="auto") sends the copy groups without a gather and the rest (the norms)
+    gathered; claims that cover a tensor twice are not trusted: it is gathered instead."""
+    from p2psync.core.plugins import registry
+
+    registry().add("engine_targets", ToyTarget, "tests", "0")
+    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="toy-gf", is_server=True, timeout=10)
+    sources = {n: t.detach().clone() for n, t in hf_model(1).state_dict().items()}
+    numel = sources["layers.0.q.weight"].numel()
+    twice = {"layers.0.q.weight": ((0, numel), (numel // 2, numel))} if claims == "overlapping" else {}
+    ranks = [engine_rank(2, r, sources) for r in range(2)]
+    endpoints = [serve_toy(engine, engine_id="toy-0", rendezvous=rendezvous, transport="samehost") for engine, _, _ in ranks]
+    try:
+        source = ShardSource(sources, twice)
+        with Session(source=source, transport="samehost", rendezvous=rendezvous, check=True, gather="auto") as session:
+            session.connect(["toy-0"])
+            free, gathered = session.gather_free_bytes
+            norms = 2 * LAYERS * HIDDEN * 4  # per rank's unit
+            qkv = 2 * 3 * HEADS // 2 * HEAD_DIM * HIDDEN * 4  # layer 0's fused qkv, which reads q
+            assert (free > 0, gathered) == (True, norms + (qkv if twice else 0))
+            report = session.update("v1")
+            assert report.ok and all(e.checked for e in report.engines.values()), report.format()
+        for engine, expected, _ in ranks:
+            for name, p in engine.named_parameters():
+                assert torch.equal(p.data.view(torch.uint8), expected[name].view(torch.uint8)), name
+    finally:
+        for endpoint in endpoints:
+            endpoint.close()
+        del registry().entries["engine_targets"]["toy"]

@@ -2,12 +2,15 @@
 
 Every trainer rank runs the same session. All ranks gather every bucket; the
 ranks the plan picked as senders turn the HF tensors into each target's bytes
-and hand the writes to per-engine write threads. World rank 0 makes the control
+and hand the writes to per-engine write threads. With `gather="auto"`, groups whose
+bytes are copies of shards the ranks hold are not gathered: every rank writes its
+own part of them to every target (see `gatherfree`). World rank 0 makes the control
 calls (pause, and finish for the engines whose writes all landed).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import defaultdict
@@ -22,6 +25,7 @@ from .buffers import BufferPool, Lease
 from .digest import byte_view, digest
 from .engine import EngineControl, EngineTarget
 from .errors import ConnectError, ControlError, P2PSyncError, TrainerLost, UpdateError, first_line, where
+from .gatherfree import Packing, compile_packing
 from .layout import ALIGN, Layout, ParamGroup, aligned
 from .lease import UpdateLease
 from .liveness import Heartbeat
@@ -31,12 +35,13 @@ from .rendezvous import Rendezvous
 from .report import EngineReport, PhaseClock, UpdateReport
 from .source import TrainerSource
 from .transport import Peer, Transport, WriteBatch
-from .types import ParamSpec, Region, TargetId, TargetTable
+from .types import ParamSpec, Region, TargetId, TargetTable, numel
 from .writer import EngineWriter, WriteJob
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 512 << 20
+GATHER_MODES = ("auto", "always")
 
 
 def _narrower_dtypes(specs: Mapping[str, ParamSpec], reads: Sequence[tuple[Layout, ParamGroup]]) -> dict[str, str]:
@@ -87,6 +92,8 @@ class _Connection:
     plan: Plan | None = None
     buckets: list[list[str]] = field(default_factory=list)
     work: list[list[tuple[_Unit, list[ParamGroup]]]] = field(default_factory=list)
+    packed: list[tuple[_Unit, list[Packing]]] = field(default_factory=list)  # gather-free, every unit's targets
+    packed_inputs: list[str] = field(default_factory=list)
     gather_dtypes: dict[str, str] = field(default_factory=dict)
     pool: BufferPool | None = None
     peers: dict[TargetId, tuple[str, Peer]] = field(default_factory=dict)  # target -> (table json, peer)
@@ -111,6 +118,11 @@ class _Connection:
             self.pool.close()
 
 
+def _fill_packed(packing: Packing, shards: Mapping[str, Any], out: Any) -> list[Region]:
+    packing.fill(shards, out)
+    return packing.regions
+
+
 class Session:
     """Moves a trainer's weights into running engines.
 
@@ -123,7 +135,10 @@ class Session:
     `{"vllm": {"layout": "replica"}}`. `update_lease` (default four times
     `transfer_timeout`) is how long an engine paused for an update waits for the
     trainer to make progress before it abandons the update and marks itself stale;
-    world rank 0 renews it as buckets go by.
+    world rank 0 renews it as buckets go by. `gather`: "always" gathers every HF
+    tensor before producing bytes; "auto" sends groups that are copies of the ranks'
+    own shards without a gather, where every layout and the source allow it, and
+    gathers the rest.
     """
 
     def __init__(
@@ -142,7 +157,10 @@ class Session:
         pin_memory: bool = False,
         engine_options: Mapping[str, Mapping[str, Any]] | None = None,
         update_lease: float | None = None,
+        gather: str = "always",
     ) -> None:
+        if gather not in GATHER_MODES:
+            raise ValueError(f"gather must be one of {GATHER_MODES}, got {gather!r}")
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         if update_lease is not None and update_lease <= 0:
@@ -157,6 +175,7 @@ class Session:
         self.transfer_timeout = transfer_timeout
         self.update_lease = 4 * transfer_timeout if update_lease is None else update_lease
         self.check = check
+        self.gather = gather
         self.token = rendezvous.token() if token is None else token
         self.buffer_device = buffer_device
         self.pin_memory = pin_memory
@@ -191,6 +210,17 @@ class Session:
         """Bytes of the largest parameter group this rank produces."""
         work = self._conn.work if self._conn else []
         return max((g.nbytes for units in work for _, groups in units for g in groups), default=0)
+
+    @property
+    def gather_free_bytes(self) -> tuple[int, int]:
+        """Bytes of one update that this rank sends gather-free, and of the groups it produces
+        from gathered tensors (per target unit; each goes to every target of its unit)."""
+        conn = self._conn
+        if conn is None:
+            return 0, 0
+        free = sum(r.nbytes for _, packings in conn.packed for p in packings for r in p.regions)
+        gathered = sum(g.nbytes for units in conn.work for _, groups in units for g in groups)
+        return free, gathered
 
     @property
     def sent_bytes(self) -> int:
@@ -297,9 +327,11 @@ class Session:
                 unit = unit_of(table.layout_key_text, table.rank)
                 layout = self._layout(table, specs)  # also for later tables of a unit: their parameters must match
                 if unit not in units:
-                    units[unit] = _Unit(unit, layout)
+                    units[unit] = _Unit(unit, layout, [table])  # its first table: the parameters
                     groups_of[unit] = self._own_groups(table, layout, mine)
 
+        packed = self._gather_free(units, groups_of)
+        groups_of = {u: [g for g in gs if g not in packed.get(u, {})] for u, gs in groups_of.items()}
         plan_targets = [
             PlanTarget(table.target, unit, sum(g.nbytes for g in groups_of[unit]))
             for unit, table in (
@@ -308,11 +340,19 @@ class Session:
             if groups_of[unit]
         ]
         conn.plan = build_plan(self.group.ranks, plan_targets)
-        mine_targets = set(conn.plan.targets_of(self.rank))
+        planned = set(conn.plan.targets_of(self.rank))
+        mine_targets = set(planned)  # and every target of a unit this rank sends gather-free parts of
+        for unit, packings in packed.items():
+            nonempty = [p for p in packings.values() if p.nbytes]
+            if nonempty:
+                every = [t for ts in tables.values() for t in ts if unit_of(t.layout_key_text, t.rank) == unit]
+                conn.packed.append((_Unit(unit, units[unit].layout, every), nonempty))
+                mine_targets.update(t.target for t in every)
+        conn.packed_inputs = sorted({n for packings in packed.values() for g in packings for n in g.inputs})
         served: dict[str, _Unit] = {}
         for engine_tables in tables.values():
             for table in engine_tables:
-                if table.target in mine_targets:
+                if table.target in planned:
                     unit = unit_of(table.layout_key_text, table.rank)
                     served.setdefault(unit, _Unit(unit, units[unit].layout)).tables.append(table)
 
@@ -328,7 +368,7 @@ class Session:
             for i, groups in sorted(per_bucket.items()):
                 conn.work[i].append((unit, groups))
 
-        conn.pool = self._pool_for(conn.work)
+        conn.pool = self._pool_for(conn.work, conn.packed)
         self._open(conn, mine_targets)
         if self.rank == 0:
             for control in conn.controls.values():
@@ -386,13 +426,60 @@ class Session:
                 )
         return own
 
-    def _pool_for(self, work: list[list[tuple[_Unit, list[ParamGroup]]]]) -> BufferPool:
-        """The current transfer buffers if they are large enough for `work`, else new ones."""
+    def _gather_free(
+        self, units: Mapping[str, _Unit], groups_of: Mapping[str, list[ParamGroup]]
+    ) -> dict[str, dict[ParamGroup, Packing]]:
+        """Per unit, the packings of the groups this rank sends without a gather: groups of
+        copies (`Layout.copy_runs`) whose inputs the ranks of the sender group hold in parts
+        that cover each tensor exactly once. Collective over the trainer world."""
+        names = sorted({n for groups in groups_of.values() for g in groups for n in g.inputs})
+        shards = self.source.local_shards(names) if self.gather == "auto" else {}
+        ranges = {name: shard.ranges for name, shard in shards.items()}
+        held = self._held_once(ranges, collectives.all_gather(ranges))
+        if not held:
+            return {}
+        out: dict[str, dict[ParamGroup, Packing]] = {}
+        for unit, groups in groups_of.items():
+            layout = units[unit].layout
+            params = {p.name: p for p in units[unit].tables[0].params}
+            for group in groups:
+                if not set(group.inputs) <= held or layout.copy_runs(group, {}) is None:
+                    continue
+                inputs = {n: ranges[n] for n in group.inputs}
+                constants = self.rank == self.group.ranks[0]
+                out.setdefault(unit, {})[group] = compile_packing(layout, group, inputs, params, constants)
+        return out
+
+    def _held_once(
+        self, ranges: Mapping[str, tuple[tuple[int, int], ...]], every_rank: Sequence[Mapping[str, Any]]
+    ) -> set[str]:
+        """The HF tensors whose parts, over the ranks of this rank's sender group, cover every
+        element exactly once."""
+        mine = {s.name: s for s in self.source.param_specs()}
+        out = set()
+        for name in ranges:
+            spans = []
+            for rank in self.group.ranks:
+                if name not in every_rank[rank]:
+                    break
+                spans += [tuple(span) for span in every_rank[rank][name]]
+            else:
+                spans.sort()
+                ends = [0] + [end for _, end in spans]
+                if all(start == end for (start, _), end in zip(spans, ends)) and ends[-1] == numel(mine[name].shape):
+                    out.add(name)
+        return out
+
+    def _pool_for(
+        self, work: list[list[tuple[_Unit, list[ParamGroup]]]], packed: list[tuple[_Unit, list[Packing]]]
+    ) -> BufferPool:
+        """The current transfer buffers if they are large enough for `work` and `packed`, else new ones."""
         need = ALIGN
-        for units in work:
-            for _, groups in units:
-                largest = max(aligned(g.nbytes) for g in groups)
-                need = max(need, min(sum(aligned(g.nbytes) for g in groups), max(self.bucket_bytes, largest)))
+        sizes = [[g.nbytes for g in groups] for units in work for _, groups in units]
+        sizes += [[p.nbytes for p in packings] for _, packings in packed if packings]
+        for nbytes in sizes:
+            largest = max(aligned(n) for n in nbytes)
+            need = max(need, min(sum(aligned(n) for n in nbytes), max(self.bucket_bytes, largest)))
         current = self._conn.pool if self._conn else None
         if current is not None and current.nbytes >= need:
             return current
@@ -477,13 +564,24 @@ class Session:
             if engine in failed:
                 writer.fail(failed[engine])
 
-        produced: dict[str, dict[str, _Produced]] = defaultdict(dict)
+        produced: dict[str, dict[str, _Produced]] = defaultdict(dict)  # unit -> parameter -> what this rank sent
+        packed: dict[str, dict[str, _Produced]] = defaultdict(dict)  # the same, of the gather-free groups
+        if conn.packed:
+            shards = self.source.local_shards(conn.packed_inputs)
+            for unit, packings in conn.packed:
+                fills = [(p.nbytes, functools.partial(_fill_packed, p, shards)) for p in packings]
+                self._send(conn, unit, fills, packed[unit.unit])
+                if lease:
+                    lease.progressed(failed)
+            del shards
+            self._clock.lap("produce")
         for i, names in enumerate(conn.buckets):
             casts = {n: conn.gather_dtypes[n] for n in names if n in conn.gather_dtypes}
             tensors = self.source.gather_cast(names, casts)
             self._clock.lap("gather")
             for unit, groups in conn.work[i]:
-                self._send(conn, unit, groups, tensors, produced[unit.unit])
+                fills = [(g.nbytes, functools.partial(unit.layout.fill, g, tensors)) for g in groups]
+                self._send(conn, unit, fills, produced[unit.unit])
             self._clock.lap("produce")
             del tensors
             if lease:
@@ -496,7 +594,9 @@ class Session:
         if self.check:
             if lease:
                 lease.progressed(failed)
-            self._verify(conn, produced)
+            served = {unit.unit: unit for work in conn.work for unit, _ in work}
+            self._verify(conn, [(unit, produced[key]) for key, unit in served.items()])
+            self._verify(conn, [(unit, packed[unit.unit]) for unit, _ in conn.packed])
             self._clock.lap("verify")
 
         mine = {
@@ -511,34 +611,31 @@ class Session:
         self,
         conn: _Connection,
         unit: _Unit,
-        groups: list[ParamGroup],
-        tensors: Mapping[str, Any],
+        fills: list[tuple[int, Callable[[Any], list[Region]]]],
         produced: dict[str, _Produced],
     ) -> None:
-        """Fill transfer buffers with this bucket's groups of one unit and hand them to the writers."""
+        """Fill transfer buffers with one unit's groups and hand them to the writers. `fills`:
+        per group, its bytes and what writes them into a buffer slice (returning the regions)."""
         pool = conn.pool
         assert pool is not None
         lease: Lease | None = None
         regions: list[Region] = []
         offset = 0
         try:
-            for group in groups:
-                if lease is None or offset + group.nbytes > pool.nbytes:
+            for nbytes, fill in fills:
+                if lease is None or offset + nbytes > pool.nbytes:
                     if lease is not None:
                         self._submit(conn, unit, lease, regions)
                         lease = None  # _submit released the filler's reference
                     self._clock.lap("produce")
                     lease, regions, offset = pool.acquire(self.transfer_timeout, self._abandon_laggards), [], 0
                     self._clock.lap("buffer_wait")
-                out = lease.tensor[offset : offset + group.nbytes]
-                written = [
-                    Region(r.param, r.param_offset, r.buffer_offset + offset, r.nbytes)
-                    for r in unit.layout.fill(group, tensors, out)
-                ]
+                out = lease.tensor[offset : offset + nbytes]
+                written = [Region(r.param, r.param_offset, r.buffer_offset + offset, r.nbytes) for r in fill(out)]
                 regions.extend(written)
                 if self.check:
                     self._record(lease, written, produced)
-                offset += aligned(group.nbytes)
+                offset += aligned(nbytes)
             if lease is not None:
                 self._submit(conn, unit, lease, regions)
                 lease = None
@@ -581,29 +678,30 @@ class Session:
         for param, rs in by_param.items():
             produced[param] = _Produced(digest(data, [(r.buffer_offset, r.nbytes) for r in rs]), rs)
 
-    def _verify(self, conn: _Connection, produced: dict[str, dict[str, _Produced]]) -> None:
-        """Ask every target this rank served for digests of what it holds and compare."""
-        for work in conn.work:
-            for unit, _ in work:
-                for table in unit.tables:
-                    writer = conn.writers[table.engine_id]
-                    if writer.progress.error is not None:
-                        continue
-                    sent = produced[unit.unit]
-                    try:
-                        held = conn.controls[table.engine_id].digests(
-                            table.rank, {name: p.regions for name, p in sent.items()}
+    def _verify(self, conn: _Connection, sent_to: Sequence[tuple[_Unit, dict[str, _Produced]]]) -> None:
+        """Ask every target of each unit for digests of what it holds where this rank wrote
+        (`sent_to`: unit, what was sent to its targets) and compare."""
+        for unit, sent in sent_to:
+            if not sent:
+                continue
+            for table in unit.tables:
+                writer = conn.writers[table.engine_id]
+                if writer.progress.error is not None:
+                    continue
+                try:
+                    held = conn.controls[table.engine_id].digests(
+                        table.rank, {name: p.regions for name, p in sent.items()}
+                    )
+                except ControlError as exc:
+                    writer.fail(f"digest check failed: {exc}")
+                    continue
+                for name, p in sent.items():
+                    if held.get(name) != p.digest:
+                        writer.fail(
+                            f"{where(table.engine_id, table.rank, name)}: digest mismatch after write "
+                            f"(sent {p.digest}, engine holds {held.get(name)})"
                         )
-                    except ControlError as exc:
-                        writer.fail(f"digest check failed: {exc}")
-                        continue
-                    for name, p in sent.items():
-                        if held.get(name) != p.digest:
-                            writer.fail(
-                                f"{where(table.engine_id, table.rank, name)}: digest mismatch after write "
-                                f"(sent {p.digest}, engine holds {held.get(name)})"
-                            )
-                            break
+                        break
 
     def _report(
         self,

@@ -4,12 +4,23 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from .types import ParamSpec, SenderGroup
 
 if TYPE_CHECKING:
     import torch
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """The part of one HF tensor this rank holds without a gather: flat elements `ranges`
+    ([start, end), ascending) of the full tensor, whose values `data` (flat, contiguous)
+    holds back to back."""
+
+    ranges: tuple[tuple[int, int], ...]
+    data: torch.Tensor
 
 
 class TrainerSource(ABC):
@@ -42,6 +53,13 @@ class TrainerSource(ABC):
 
         tensors = self.gather(names)
         return {n: t.to(getattr(torch, dtypes[n])) if n in dtypes else t for n, t in tensors.items()}
+
+    def local_shards(self, names: Sequence[str]) -> dict[str, LocalShard]:
+        """The parts of HF tensors `names` this rank holds as they are, for gather-free sends:
+        every element of a tensor must be held by exactly one rank of the sender group, so
+        that each rank writes its own part. Tensors left out are gathered. Not a collective;
+        called at connect (the ranges) and at every update (the data). None by default."""
+        return {}
 
     def bucket_kind(self, name: str) -> str:
         """Tensors of different kinds never share a bucket (Megatron gathers experts over

@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ...core.source import TrainerSource
+from ...core.source import LocalShard, TrainerSource
 from ...core.types import ParamSpec, SenderGroup
 
 if TYPE_CHECKING:
@@ -101,6 +101,29 @@ class FSDP2Source(TrainerSource):
         for (group, _), shards in packs.items():
             out.update(_all_gather_dim0(group, shards))
         return {name: out[name] for name in names}
+
+    def local_shards(self, names: Sequence[str]) -> dict[str, LocalShard]:
+        """Parameters sharded on dim 0 over a 1-D mesh: this rank's rows, as `torch.chunk`
+        splits them (see `_all_gather_dim0`). Others (replicated, or sharded otherwise) are
+        gathered."""
+        from torch.distributed.tensor import DTensor
+
+        out = {}
+        for name in names:
+            data = self._params[name].detach()
+            if not (isinstance(data, DTensor) and _dim0_sharded(data)):
+                continue
+            local = data.to_local()
+            rows, world = data.shape[0], data.device_mesh.size()
+            chunk = -(-rows // world)
+            first = min(data.device_mesh.get_local_rank() * chunk, rows)
+            if local.shape[0] != min(chunk, rows - first) or not local.is_contiguous():
+                continue  # not torch.chunk's split: leave it to the gather
+            per_row = local[0].numel() if local.shape[0] else 0
+            end = first + local.shape[0]
+            ranges = ((first * per_row, end * per_row),) if end > first else ()
+            out[name] = LocalShard(ranges, local.reshape(-1))
+        return out
 
 
 def _dim0_sharded(data: Any) -> bool:

@@ -127,6 +127,8 @@ class P2PSyncTrainerInitInfo(TrainerInitInfo):
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     transfer_timeout: float = 60.0
     check: bool = False
+    #: `Session(gather=...)`: "auto" sends copies of the trainer's own shards without a gather.
+    gather: str = "always"
 
 
 class EngineClients:
@@ -191,7 +193,7 @@ class P2PSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[P2PSyncTrai
         session = Session(
             source=source, transport=init_info.transport, transport_options=init_info.transport_options,
             rendezvous=rendezvous, bucket_bytes=init_info.bucket_bytes, transfer_timeout=init_info.transfer_timeout,
-            check=init_info.check, token=init_info.token,
+            check=init_info.check, token=init_info.token, gather=init_info.gather,
         )
         session.connect(init_info.engine_ids)
         return cls(client=client, source=source, rank=init_info.rank, session=session)

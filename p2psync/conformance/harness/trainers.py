@@ -26,6 +26,14 @@ if TYPE_CHECKING:
     from ...core.source import TrainerSource
     from .world import WorldOptions
 
+#: A trainer kind with this suffix runs its session with `gather="auto"` (e.g. "fsdp2/gather-free").
+GATHER_FREE = "/gather-free"
+
+
+def split_kind(kind: str) -> tuple[str, str]:
+    """A world's trainer kind as (the trainer source, the session's `gather` mode)."""
+    return (kind.removesuffix(GATHER_FREE), "auto") if kind.endswith(GATHER_FREE) else (kind, "always")
+
 
 @dataclass
 class TrainerRank:
@@ -125,6 +133,7 @@ TRAINERS: dict[str, Callable[[int, Any, int], TrainerRank]] = {
 
 class Connection(Protocol):
     bucket_count: int
+    gather_free_bytes: int
 
     def update(self, version: str) -> UpdateReport: ...
 
@@ -152,7 +161,9 @@ class SessionConnection:
     """Engines served by p2psync endpoints (torch, sglang): rank 0 has them serve `transport`,
     then every rank connects one Session."""
 
-    def __init__(self, trainer: TrainerRank, opts: WorldOptions, transport: str, urls: dict[str, list[str]]) -> None:
+    def __init__(
+        self, trainer: TrainerRank, opts: WorldOptions, transport: str, urls: dict[str, list[str]], gather: str
+    ) -> None:
         from ...core.devices import resolve
         from ...core.session import Session
 
@@ -162,10 +173,11 @@ class SessionConnection:
         self.session = Session(
             source=trainer.source, transport=transport, rendezvous=trainer.rendezvous,
             bucket_bytes=opts.bucket_bytes, transfer_timeout=opts.transfer_timeout, check=opts.check,
-            pin_memory=resolve(opts.device).pin_buffers,
+            pin_memory=resolve(opts.device).pin_buffers, gather=gather,
         )
         self.session.connect(engine_ids(opts))
         self.bucket_count = self.session.bucket_count
+        self.gather_free_bytes = self.session.gather_free_bytes[0]
         self.bar = None
         if trainer.rank == 0 and opts.progress:
             from tqdm import tqdm
@@ -209,7 +221,9 @@ class VllmConnection:
     """vLLM engines, driven through vLLM's trainer-side weight-transfer factory with the
     `p2psync` backend, one client per engine: its init call has the workers serve `transport`."""
 
-    def __init__(self, trainer: TrainerRank, opts: WorldOptions, transport: str, urls: dict[str, list[str]]) -> None:
+    def __init__(
+        self, trainer: TrainerRank, opts: WorldOptions, transport: str, urls: dict[str, list[str]], gather: str
+    ) -> None:
         from ...adapters.vllm import shim
 
         shim.import_vllm()  # before any vLLM module: it selects the CPU platform
@@ -226,10 +240,11 @@ class VllmConnection:
         init = P2PSyncTrainerInitInfo(
             rank=trainer.rank, engine_ids=list(urls), rendezvous_host="127.0.0.1",
             rendezvous_port=trainer.rendezvous.port, job_id=opts.job_id, transport=transport,
-            bucket_bytes=opts.bucket_bytes, transfer_timeout=opts.transfer_timeout, check=opts.check,
+            bucket_bytes=opts.bucket_bytes, transfer_timeout=opts.transfer_timeout, check=opts.check, gather=gather,
         )
         self.sync = WeightTransferTrainerFactory.trainer_init(init, client=clients, source=trainer.source)
         self.bucket_count = self.sync.session.bucket_count
+        self.gather_free_bytes = self.sync.session.gather_free_bytes[0]
 
     def update(self, version: str) -> UpdateReport:
         self.sync.send_weights(version)
@@ -240,10 +255,12 @@ class VllmConnection:
         self.sync.shutdown()
 
 
-def connect(trainer: TrainerRank, opts: WorldOptions, transport: str, urls: dict[str, list[str]]) -> Connection:
+def connect(
+    trainer: TrainerRank, opts: WorldOptions, transport: str, urls: dict[str, list[str]], gather: str
+) -> Connection:
     if opts.engine == "vllm":
-        return VllmConnection(trainer, opts, transport, urls)
-    return SessionConnection(trainer, opts, transport, urls)
+        return VllmConnection(trainer, opts, transport, urls, gather)
+    return SessionConnection(trainer, opts, transport, urls, gather)
 
 
 def dump(trainer: TrainerRank, opts: WorldOptions, urls: dict[str, list[str]], folder: Path) -> Path:
@@ -270,11 +287,12 @@ def trainer_main(rank: int, opts: WorldOptions, port: int, results: Any, kind: s
     from ...core.control import post
     from .world import RunResult
 
-    trainer = TRAINERS[kind](rank, opts, port)
+    source_kind, gather = split_kind(kind)
+    trainer = TRAINERS[source_kind](rank, opts, port)
     urls = harness_urls(trainer, opts) if rank == 0 else {}
     token = trainer.rendezvous.token()
     for transport in opts.transports_of(kind):
-        connection = connect(trainer, opts, transport, urls)
+        connection = connect(trainer, opts, transport, urls, gather)
         reports, generations = [], []
         for i in range(opts.updates):
             trainer.step()
@@ -292,7 +310,8 @@ def trainer_main(rank: int, opts: WorldOptions, port: int, results: Any, kind: s
         dist.barrier()
         if rank == 0:
             results.put(Part(RunResult(
-                kind, transport, reports, generations, connection.bucket_count, str(folder or ""), meaning=meaning
+                kind, transport, reports, generations, connection.bucket_count, connection.gather_free_bytes,
+                str(folder or ""), meaning=meaning,
             )))
     dist.barrier()  # every rank is done before any tears down
     dist.destroy_process_group()

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from .engines import dump_path, engine_ids, engine_main
 from .launch import launch_worlds
 from .models import ModelSpec
-from .trainers import trainer_main
+from .trainers import split_kind, trainer_main
 
 if TYPE_CHECKING:
     import torch
@@ -75,7 +75,7 @@ class WorldOptions:
         return [t for k, t in self.runs if k == kind]
 
     def ranks_of(self, kind: str) -> int:
-        return TRAINER_RANKS.get(kind, self.trainers)
+        return TRAINER_RANKS.get(split_kind(kind)[0], self.trainers)
 
 
 @dataclass
@@ -89,6 +89,8 @@ class RunResult:
     reports: list[UpdateReport] = field(default_factory=list)
     generations: list[dict[str, list[int]]] = field(default_factory=list)
     buckets: int = 0
+    #: Bytes of one update trainer rank 0 sent without a gather (`Session.gather_free_bytes`).
+    gather_free_bytes: int = 0
     folder: str = ""
     meaning: str = ""
     error: str = ""
@@ -113,6 +115,7 @@ def trainer_unavailable(kind: str) -> str:
     modules alone (`megatron.bridge_deepseek_registry`), so it needs the package installed only."""
     import importlib.util
 
+    kind = split_kind(kind)[0]
     if kind != "megatron-bridge":
         return unavailable("trainer_sources", kind)
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.bridge") is None:
@@ -181,6 +184,10 @@ class World:
             if result.error:
                 pytest.fail(f"{kind} -> {self.opts.engine} over {transport}: {result.error}", pytrace=False)
             check_reports(result, self.opts)
+            if split_kind(kind)[1] == "auto":
+                assert result.gather_free_bytes > 0, f"{kind} -> {self.opts.engine}: nothing was sent gather-free"
+            else:
+                assert result.buckets > 1, "the run must span several buckets"
             return self.pairs(result)
 
         return go
@@ -239,7 +246,6 @@ def check_reports(result: RunResult, opts: WorldOptions) -> None:
         assert report.ok, report.format()
         assert all(e.bytes > 0 and e.checked == opts.check for e in report.engines.values()), report.format()
         assert set(report.engines) == set(engine_ids(opts)), report.format()
-    assert result.buckets > 1, "the run must span several buckets"
     assert not result.meaning, result.meaning
     for generations in result.generations:
         assert generations == dict.fromkeys(["trainer", *engine_ids(opts)], generations["trainer"]), generations
