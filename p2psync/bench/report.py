@@ -61,9 +61,10 @@ def summary(raw: Mapping[str, Any], limits: Mapping[str, Any], limits_after: Map
             "phases": {f"trainer-{r}": _median_phases(rank["phases"][name]) for r, rank in enumerate(per_rank)},
             "gathers_alone_seconds": statistics.median(seconds[gathers]), "gathers_step": gathers,
         }
-        if name == "p2p":
-            way.update(_p2p_bytes(raw, per_rank))
-            writing = [writing_seconds([i for rank in per_rank for i in rank["write_intervals"][k]])
+        if spec.get("p2psync"):
+            way.update(_p2p_bytes(raw, name, per_rank))
+            way.update(gather_free_bytes=spec["gather_free_bytes"], gathered_bytes=spec["gathered_bytes"])
+            writing = [writing_seconds([i for rank in per_rank for i in rank["write_intervals"][name][k]])
                        for k in range(len(times))]
             way["writing_seconds"] = statistics.median(writing)
             way["writing_seconds_all"] = writing
@@ -80,7 +81,9 @@ def summary(raw: Mapping[str, Any], limits: Mapping[str, Any], limits_after: Map
         way["bound_seconds"] = max(way["gathers_alone_seconds"], way["wire_seconds_at_raw"] or 0.0)
         way["over_bound"] = way["seconds"] / way["bound_seconds"]
         if reference is None or name not in held or reference not in held:
-            way["verified_by"] = "p2psync's digest check" if name == "p2p" else "not compared (no reference way ran)"
+            way["verified_by"] = (
+                "p2psync's digest check" if spec.get("p2psync") else "not compared (no reference way ran)"
+            )
             way["mismatches"] = []
         elif name == reference:
             way["verified_by"] = "the reference: the engines' own loaders made these bytes"
@@ -97,17 +100,17 @@ def summary(raw: Mapping[str, Any], limits: Mapping[str, Any], limits_after: Map
         "gathers": {step: {"seconds": statistics.median(seconds[step]), "seconds_all": seconds[step]}
                     for step in sorted(set(raw["gathers_of"].values()))},
         "ratios": _ratios(ways),
-        "trainer_memory": {f"trainer-{r}": trainer_memory(rank["memory"], raw["gathers_of"].get("p2p"))
+        "trainer_memory": {f"trainer-{r}": trainer_memory(rank["memory"], raw["gathers_of"])
                            for r, rank in enumerate(per_rank)},
         "limits": limits,
         "limits_after": limits_after,
     }
 
 
-def _p2p_bytes(raw: Mapping[str, Any], per_rank: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    sent = {f"trainer-{r}": statistics.median(rank["sent"]["p2p"]) for r, rank in enumerate(per_rank)}
+def _p2p_bytes(raw: Mapping[str, Any], name: str, per_rank: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    sent = {f"trainer-{r}": statistics.median(rank["sent"][name]) for r, rank in enumerate(per_rank)}
     return {
-        "bytes_per_sender": sent, "bytes_per_engine_rank": dict(raw["p2p_rank_bytes"]),
+        "bytes_per_sender": sent, "bytes_per_engine_rank": dict(raw["rank_bytes"][name]),
         "bytes_how": "counted by p2psync's writers: the bytes of every write that completed",
     }
 
@@ -135,16 +138,16 @@ def _broadcast_bytes(
 
 
 def _ratios(ways: Mapping[str, Any]) -> dict[str, Any]:
-    """Each other way's seconds over p2psync's: of the medians, and round by round."""
-    if "p2p" not in ways:
-        return {}
-    p2p = ways["p2p"]
+    """Each other way's seconds over p2psync's, and each broadcast's over gather-free p2psync's:
+    of the medians, and round by round."""
+    pairs = [(name, "p2p") for name in ways if name != "p2p" and "p2p" in ways]
+    pairs += [(name, "gather-free") for name in ways if name.startswith("broadcast") and "gather-free" in ways]
     return {
-        f"{name}/p2p": {
-            "of_medians": way["seconds"] / p2p["seconds"],
-            "per_round": [b / p for p, b in zip(p2p["seconds_all"], way["seconds_all"])],
+        f"{name}/{base}": {
+            "of_medians": ways[name]["seconds"] / ways[base]["seconds"],
+            "per_round": [b / p for p, b in zip(ways[base]["seconds_all"], ways[name]["seconds_all"])],
         }
-        for name, way in ways.items() if name != "p2p"
+        for name, base in pairs
     }
 
 
@@ -152,22 +155,26 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
-def trainer_memory(memory: Mapping[str, int], gathers: str | None) -> dict[str, Any]:
-    """One trainer rank's memory figures, with p2psync's bound: what an update may add to the
-    rank's RSS, from the first update on, is its two transfer buffers (their pages are first
-    touched then), its largest parameter group, and one bucket's gathers as the trainer does
-    them (`gathers`: that step, timed alone in the same run; FSDP2 over gloo holds the
-    gathered bucket, gloo's flat copy of it and the padded shards at once), beside
-    `INTERPRETER_BYTES` of the interpreter's own."""
+def trainer_memory(memory: Mapping[str, int], gathers_of: Mapping[str, str]) -> dict[str, Any]:
+    """One trainer rank's memory figures, with each p2psync way's bound: what an update may add
+    to the rank's RSS, from the first update on, is its two transfer buffers (their pages are
+    first touched then), its largest gathered parameter group, and one bucket's gathers as the
+    trainer does them (`gathers_of[way]`: that step, timed alone in the same run; FSDP2 over
+    gloo holds the gathered bucket, gloo's flat copy of it and the padded shards at once),
+    beside `INTERPRETER_BYTES` of the interpreter's own. Gather-free, only the groups that are
+    not copies are gathered: with none, its bound is its transfer buffers alone."""
     out: dict[str, Any] = dict(memory)
-    if gathers is None or "p2p_first_added_bytes" not in memory:
-        return out
-    peak = max(memory.get(f"{gathers}_first_added_bytes", 0), memory.get(f"{gathers}_later_added_bytes", 0))
-    out["gathers_peak_bytes"] = peak
-    out["interpreter_bytes"] = INTERPRETER_BYTES
-    out["p2p_bound_bytes"] = memory["transfer_buffers_bytes"] + memory["largest_group_bytes"] + peak + INTERPRETER_BYTES
-    out["p2p_within_bound"] = max(memory["p2p_first_added_bytes"], memory.get("p2p_later_added_bytes", 0)) <= out[
-        "p2p_bound_bytes"]
+    for way, prefix in (("p2p", ""), ("gather-free", "gather-free_")):
+        if f"{way}_first_added_bytes" not in memory or way not in gathers_of:
+            continue
+        gathers = gathers_of[way]
+        peak = max(memory.get(f"{gathers}_first_added_bytes", 0), memory.get(f"{gathers}_later_added_bytes", 0))
+        out[f"{prefix}gathers_peak_bytes"] = peak
+        out["interpreter_bytes"] = INTERPRETER_BYTES
+        bound = memory[f"{prefix}transfer_buffers_bytes"] + memory[f"{prefix}largest_group_bytes"] + peak
+        out[f"{way}_bound_bytes"] = bound + INTERPRETER_BYTES
+        added = max(memory[f"{way}_first_added_bytes"], memory.get(f"{way}_later_added_bytes", 0))
+        out[f"{way}_within_bound"] = added <= out[f"{way}_bound_bytes"]
     return out
 
 
@@ -236,15 +243,15 @@ def _way_lines(name: str, w: Mapping[str, Any]) -> list[str]:
 
 def _memory_line(trainer: str, m: Mapping[str, Any], ways: Sequence[str]) -> str:
     parts = []
-    if "p2p_bound_bytes" in m:
-        added, bound = m["p2p_first_added_bytes"], m["p2p_bound_bytes"]
-        parts.append(
-            f"p2p first update {_mb(added)} (kept {_mb(m['p2p_first_kept_bytes'])}), later "
-            f"{_mb(m.get('p2p_later_added_bytes', 0))}; bound {_mb(bound)} = 2 transfer buffers "
-            f"{_mb(m['transfer_buffers_bytes'])} + largest group {_mb(m['largest_group_bytes'])} + one bucket's "
-            f"gathers {_mb(m['gathers_peak_bytes'])} (alone, at their peak) + the interpreter's "
-            f"{_mb(m['interpreter_bytes'])}: {'within' if m['p2p_within_bound'] else 'OVER'}"
-        )
-    parts += [f"{way} first {_mb(m[f'{way}_first_added_bytes'])}, later {_mb(m.get(f'{way}_later_added_bytes', 0))}"
-              for way in ways if way != "p2p"]
+    for way in ways:
+        line = f"{way} first {_mb(m[f'{way}_first_added_bytes'])}, later {_mb(m.get(f'{way}_later_added_bytes', 0))}"
+        if f"{way}_bound_bytes" in m:
+            prefix = "gather-free_" if way == "gather-free" else ""
+            line += (
+                f"; bound {_mb(m[f'{way}_bound_bytes'])} = 2 transfer buffers {_mb(m[f'{prefix}transfer_buffers_bytes'])}"
+                f" + largest gathered group {_mb(m[f'{prefix}largest_group_bytes'])} + one bucket's gathers "
+                f"{_mb(m[f'{prefix}gathers_peak_bytes'])} (alone, at their peak) + the interpreter's "
+                f"{_mb(m['interpreter_bytes'])}: {'within' if m[f'{way}_within_bound'] else 'OVER'}"
+            )
+        parts.append(line)
     return f"  {trainer} peak RSS added: " + "; ".join(parts)

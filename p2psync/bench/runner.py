@@ -132,13 +132,20 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
         transfer_timeout=opts.transfer_timeout, check=opts.check,
     )
     session.connect(ids)
+    gather_free = None
+    if "gather-free" in ways_for(opts):
+        gather_free = Session(
+            source=source, transport=session.transport, rendezvous=rendezvous, bucket_bytes=opts.bucket_bytes,
+            transfer_timeout=opts.transfer_timeout, check=opts.check, gather="auto",
+        )
+        gather_free.connect(ids)
     buckets = session.buckets  # the broadcast gathers the same buckets: only the way of sending differs
     dtype = engines.engine_dtype(opts.engine)
     members = opts.engines * engines.tp(opts)
     specs = {s.name: s for s in source.param_specs()}
     leader = broadcast.Leader(rendezvous, specs, buckets, dtype, members, GROUP_TIMEOUT) if rank == 0 else None
     controls = _controls(session) if rank == 0 else []
-    ways = make_ways(ways_for(opts), session, source, buckets, leader, controls, dtype)
+    ways = make_ways(ways_for(opts), session, source, buckets, leader, controls, dtype, gather_free)
     plans, gathers = gather_plans(ways)
     rounds = opts.warmup + opts.updates
     bar = tqdm(
@@ -168,15 +175,22 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
         transfer_buffers_bytes=session.buffer_bytes, largest_group_bytes=session.largest_group_bytes,
         bucket_bytes=opts.bucket_bytes, broadcast_flat_bytes=leader.flat_buffer_bytes if leader else 0,
     )
-    p2p = next((w for w in ways if isinstance(w, P2PWay)), None)
+    if gather_free is not None:
+        measured.memory.update({
+            "gather-free_transfer_buffers_bytes": gather_free.buffer_bytes,
+            "gather-free_largest_group_bytes": gather_free.largest_group_bytes,
+        })
+    p2p_ways = [w for w in ways if isinstance(w, P2PWay)]
     mine: dict[str, Any] = {
         "memory": measured.memory, "phases": measured.phases, "sent": measured.sent,
-        "write_intervals": p2p.write_intervals[opts.warmup:rounds] if p2p else [],
+        "write_intervals": {w.name: w.write_intervals[opts.warmup:rounds] for w in p2p_ways},
     }
     everyone: list[Any] = [None] * opts.trainers
     dist.all_gather_object(everyone, mine)
     dist.barrier()  # every trainer rank is done before any tears down
     transport = session.transport.describe()
+    if gather_free is not None:
+        gather_free.close()
     session.close()
     dist.destroy_process_group()
     if rank == 0:
@@ -186,7 +200,7 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
             "gathers_of": gathers, "seconds": measured.seconds, "per_rank": everyone, "held": held,
             "engine_stats": engine_stats, "broadcast_log": measured.broadcast_log,
             "members": [engines.member(opts, i) for i in range(members)],
-            "p2p_rank_bytes": _rank_bytes(p2p.reports[rounds - 1]) if p2p else {},
+            "rank_bytes": {w.name: _rank_bytes(w.reports[rounds - 1]) for w in p2p_ways},
             "payload": sum(broadcast.flat_bytes(s) for s in leader.packed) if leader else 0,
         })
 

@@ -4,10 +4,11 @@ A `Way` runs on every trainer rank (its updates are collective); `update` is tim
 trainer barrier until the engines hold the weights. Each way says what it gathers (the
 buckets, and the dtype each HF tensor is gathered in), so that the bench can time those
 gathers alone, and what it moved (bytes sent by this rank, measured) and where its time
-went (`phase_seconds`). To add a way (e.g. gather-free resharding), subclass `Way` and add
-it in `make_ways`.
+went (`phase_seconds`). To add a way, subclass `Way` and add it in `make_ways`.
 
 - `p2p`: a p2psync `Session` (gathers cast to the engines' dtype where the layouts only copy).
+- `gather-free`: a p2psync `Session(gather="auto")`: each trainer rank writes the part its
+  own shards feed of every target, without a gather, where the layouts only copy.
 - `broadcast`: the best broadcast a user can build from the same pieces (see `broadcast`):
   gathers already cast to the engines' dtype, one flat buffer per bucket, the next bucket's
   gathers overlapping this one's broadcast.
@@ -109,6 +110,10 @@ class P2PWay(Way):
     def sent_bytes(self) -> int:
         return self.session.sent_bytes  # counted by the writers: every completed write's bytes
 
+    def to_json(self) -> dict[str, Any]:
+        free, gathered = self.session.gather_free_bytes
+        return {**super().to_json(), "p2psync": True, "gather_free_bytes": free, "gathered_bytes": gathered}
+
 
 class BroadcastWay(Way):
     """The broadcast path (`broadcast`), gathering in `gather_dtype` (None: the trainer's) and
@@ -172,11 +177,16 @@ class BroadcastWay(Way):
 def make_ways(
     names: Sequence[str], session: Session, source: TrainerSource, buckets: list[list[str]],
     leader: broadcast.Leader | None, controls: Sequence[EngineControl], engine_dtype: str | None,
+    gather_free: Session | None = None,
 ) -> list[Way]:
     """The ways `names` asks for, in that order; `engine_dtype` None: the engines hold the
-    trainer's dtype (then `broadcast-fp32` would be `broadcast` again, and is left out)."""
+    trainer's dtype (then `broadcast-fp32` would be `broadcast` again, and is left out);
+    `gather_free`: the connected `Session(gather="auto")` of the gather-free way."""
     available: dict[str, Callable[[], Way]] = {
         "p2p": lambda: P2PWay(session),
+        "gather-free": lambda: P2PWay(
+            gather_free, "gather-free", "p2psync, gather-free: each trainer rank writes its own shards' part"
+        ),
         "broadcast": lambda: BroadcastWay(
             "broadcast", "broadcast, gathers in the engines' dtype (cast before the all-gather), overlapped with the "
             "broadcasts", source,
@@ -194,4 +204,4 @@ def make_ways(
     return [available[n]() for n in names]
 
 
-WAYS = ("p2p", "broadcast", "broadcast-fp32")
+WAYS = ("p2p", "gather-free", "broadcast", "broadcast-fp32")

@@ -276,9 +276,10 @@ class Session:
             raise ConnectError(tables)
         error: str | None = None
         candidate = _Connection(tables)
+        held = collectives.all_gather(self._local_ranges())  # before anything that may fail on one rank only
         try:
             specs, mine = self._all_specs()
-            self._prepare(candidate, specs, mine)
+            self._prepare(candidate, specs, mine, held)
         except Exception as exc:  # every rank must reach the all_gather below, whatever failed
             if not isinstance(exc, P2PSyncError):
                 log.exception("connect failed on this rank")
@@ -316,8 +317,27 @@ class Session:
                     )
         return {name: spec for name, (_, spec) in union.items()}, mine
 
-    def _prepare(self, conn: _Connection, specs: dict[str, ParamSpec], mine: dict[str, ParamSpec]) -> None:
-        """Fill `conn` for its tables, reusing what the current connection has."""
+    def _local_ranges(self) -> dict[str, tuple[tuple[int, int], ...]]:
+        """The flat element ranges of each HF tensor this rank holds for gather-free sends
+        (none with `gather="always"`, or where the source cannot say)."""
+        if self.gather != "auto":
+            return {}
+        try:
+            shards = self.source.local_shards([s.name for s in self.source.param_specs()])
+        except Exception:  # noqa: BLE001 - the tensors are then gathered; every rank must reach the all_gather
+            log.exception("the trainer source could not describe its local shards; gathering instead")
+            return {}
+        return {name: shard.ranges for name, shard in shards.items()}
+
+    def _prepare(
+        self,
+        conn: _Connection,
+        specs: dict[str, ParamSpec],
+        mine: dict[str, ParamSpec],
+        held: Sequence[Mapping[str, tuple[tuple[int, int], ...]]],
+    ) -> None:
+        """Fill `conn` for its tables, reusing what the current connection has. `held`: every
+        world rank's `_local_ranges`."""
         tables = conn.tables
         units: dict[str, _Unit] = {}
         groups_of: dict[str, list[ParamGroup]] = {}
@@ -330,7 +350,7 @@ class Session:
                     units[unit] = _Unit(unit, layout, [table])  # its first table: the parameters
                     groups_of[unit] = self._own_groups(table, layout, mine)
 
-        packed = self._gather_free(units, groups_of)
+        packed = self._gather_free(units, groups_of, held)
         groups_of = {u: [g for g in gs if g not in packed.get(u, {})] for u, gs in groups_of.items()}
         plan_targets = [
             PlanTarget(table.target, unit, sum(g.nbytes for g in groups_of[unit]))
@@ -427,15 +447,16 @@ class Session:
         return own
 
     def _gather_free(
-        self, units: Mapping[str, _Unit], groups_of: Mapping[str, list[ParamGroup]]
+        self,
+        units: Mapping[str, _Unit],
+        groups_of: Mapping[str, list[ParamGroup]],
+        every_rank: Sequence[Mapping[str, tuple[tuple[int, int], ...]]],
     ) -> dict[str, dict[ParamGroup, Packing]]:
         """Per unit, the packings of the groups this rank sends without a gather: groups of
         copies (`Layout.copy_runs`) whose inputs the ranks of the sender group hold in parts
-        that cover each tensor exactly once. Collective over the trainer world."""
-        names = sorted({n for groups in groups_of.values() for g in groups for n in g.inputs})
-        shards = self.source.local_shards(names) if self.gather == "auto" else {}
-        ranges = {name: shard.ranges for name, shard in shards.items()}
-        held = self._held_once(ranges, collectives.all_gather(ranges))
+        (`every_rank`: each world rank's) that cover each tensor exactly once."""
+        ranges = every_rank[self.rank]
+        held = self._held_once(ranges, every_rank)
         if not held:
             return {}
         out: dict[str, dict[ParamGroup, Packing]] = {}

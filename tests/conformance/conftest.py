@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from p2psync.conformance.harness import World
+from p2psync.conformance.harness.trainers import GATHER_FREE
 from p2psync.conformance.plugin import combination
 from tests.helpers.matrix import BRIDGE_MODEL, WORLDS
 
@@ -21,22 +22,31 @@ class Worlds:
         self.folder = folder
         self.worlds: dict[tuple[str, str, bool], World] = {}
 
-    def round_trip(self, trainer: str, engine: str, transport: str, device: str = "cpu") -> object:
+    def round_trip(self, trainer: str, engine: str, transport: str, device: str = "cpu", via: str = "-") -> object:
         """The round trip of one combination, from its engine's world (Megatron-Bridge's runs
-        share a world of their own model)."""
+        share a world of their own model); `via` "gather-free" runs the trainer's session with
+        `gather="auto"`."""
         bridge = trainer == "megatron-bridge"
         key = (engine, device, bridge)
         if key not in self.worlds:
             runs = tuple(dict.fromkeys(
-                (c["trainer"], c["transport"]) for c in map(combination, self.session.items)
-                if c and c.get("engine") == engine and c["device"] == device and c.get("via", "-") == "-"
+                (_kind(c["trainer"], c.get("via", "-")), c["transport"]) for c in map(combination, self.session.items)
+                if c and c.get("engine") == engine and c["device"] == device and c.get("via", "-") in VIAS
                 and c.get("transport", "-") != "-" and c.get("trainer", "-") != "-"
                 and (c["trainer"] == "megatron-bridge") == bridge
             ))
             opts = replace(WORLDS[engine], model=BRIDGE_MODEL) if bridge else WORLDS[engine]
             dump = self.folder / f"{engine}-{device}{'-bridge' if bridge else ''}"
             self.worlds[key] = World(replace(opts, runs=runs, device=device, dump_dir=str(dump)))
-        return self.worlds[key].round_trip(trainer, transport)
+        return self.worlds[key].round_trip(_kind(trainer, via), transport)
+
+
+#: The round trips a world runs: plain, and with the session's gather-free sends.
+VIAS = ("-", "gather-free")
+
+
+def _kind(trainer: str, via: str) -> str:
+    return trainer + GATHER_FREE if via == "gather-free" else trainer
 
 
 @pytest.fixture(scope="session")

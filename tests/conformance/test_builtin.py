@@ -89,3 +89,18 @@ class TestToTorch(RoundTripTests):
         if device == "cuda" and trainer != "fsdp2":
             pytest.skip("the harness builds Megatron trainers on CPU only")
         return worlds.round_trip(trainer, "torch", transport, device)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("device", DEVICES)
+class TestGatherFreeToTorch(RoundTripTests):
+    """FSDP2 with `Session(gather="auto")`: each trainer rank writes its own rows straight into
+    the engines' parameters, no gather; oracles and generation as above."""
+
+    conformance = {"engine": "torch", "trainer": "fsdp2", "via": "gather-free"}
+
+    @pytest.fixture
+    def round_trip(self, transport, device, worlds):
+        require_device(device)
+        return worlds.round_trip("fsdp2", "torch", transport, device, via="gather-free")

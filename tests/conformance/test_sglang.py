@@ -68,3 +68,16 @@ class TestToSglang(RoundTripTests):
     @pytest.fixture
     def round_trip(self, trainer, transport, worlds):
         return worlds.round_trip(trainer, "sglang", transport)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", TRANSPORTS)
+class TestGatherFreeToSglang(RoundTripTests):
+    """FSDP2 with `Session(gather="auto")`: each trainer rank writes the part of every sglang rank
+    that its own rows feed, no gather; the oracles and bytes checked as above."""
+
+    conformance = {"engine": "sglang", "trainer": "fsdp2", "via": "gather-free"}
+
+    @pytest.fixture
+    def round_trip(self, transport, worlds):
+        return worlds.round_trip("fsdp2", "sglang", transport, via="gather-free")

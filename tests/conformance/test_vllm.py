@@ -49,3 +49,16 @@ class TestToVllm(RoundTripTests):
     @pytest.fixture
     def round_trip(self, trainer, transport, worlds):
         return worlds.round_trip(trainer, "vllm", transport)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", TRANSPORTS)
+class TestGatherFreeToVllm(RoundTripTests):
+    """FSDP2 with `Session(gather="auto")` through vLLM's weight-transfer flow: each trainer rank
+    writes the part of every vLLM rank that its own rows feed; checked as above."""
+
+    conformance = {"engine": "vllm", "trainer": "fsdp2", "via": "gather-free"}
+
+    @pytest.fixture
+    def round_trip(self, transport, worlds):
+        return worlds.round_trip("fsdp2", "vllm", transport, via="gather-free")
