@@ -11,7 +11,7 @@ import dataclasses  # noqa: E402
 from functools import lru_cache  # noqa: E402
 
 import torch  # noqa: E402
-from sglang_models import config_dict, hf_config, hf_tensors, produce, sglang_rank, specs  # noqa: E402
+from tests.helpers.sglang_models import config_dict, hf_config, hf_tensors, produce, sglang_rank, specs  # noqa: E402
 
 from p2psync.adapters.sglang.target import SglangEngineTarget  # noqa: E402
 from p2psync.core.errors import ConnectError  # noqa: E402

@@ -35,7 +35,10 @@ def reshaped(name: str):
 
 REFUSALS = {
     "another vllm version": (key(vllm="0.0.1"), "engine runs vllm 0.0.1, layouts are pinned to"),
-    "quantized": (key(quantization="fp8"), "quantization 'fp8' is not supported"),
+    "quantized other than fp8": (key(quantization="awq"), "quantization 'awq' is not supported (fp8 is)"),
+    "quantized while loading": (
+        key(quantization="fp8"), "quantization 'fp8' without a quantization_config in the HF config"
+    ),
     "pipeline parallel": (key(pp=2), "only tensor parallelism is supported (pp=2"),
     "data parallel": (key(dp=2), "only tensor parallelism is supported (pp=1, dp=2"),
     "expert parallel": (key(ep=True), "only tensor parallelism is supported (pp=1, dp=1, ep=True)"),
