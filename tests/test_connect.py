@@ -188,7 +188,7 @@ def test_missing_engine_is_refused_in_time():
             session.connect(["ghost"])
 
 
-def test_an_engine_registers_exactly_its_parameter_memory():
+def test_an_engine_registers_exactly_its_parameter_memory_and_patch_area():
     model = small_model(0)
     model.register_buffer("running_stat", torch.zeros(1000))  # not a parameter: never exposed
     rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="reg", is_server=True)
@@ -196,9 +196,11 @@ def test_an_engine_registers_exactly_its_parameter_memory():
     endpoint = serve(model, engine_id="e", rendezvous=rendezvous, transport=transport)
     try:
         expected = sorted((p.data_ptr(), p.numel() * p.element_size()) for p in model.parameters())
-        assert sorted(transport.exposed) == expected
+        area = (endpoint.patches.tensor.data_ptr(), endpoint.patches.nbytes)  # where delta patches land
+        assert sorted(transport.exposed) == sorted([*expected, area])
         published = rendezvous.read_engine("e")[0]
         assert sorted((p.addr, p.nbytes) for p in published.params) == expected
+        assert published.patch_area == area
     finally:
         endpoint.close()
 

@@ -140,22 +140,22 @@ def test_baselines_keep_their_bytes_per_group_and_respect_the_budget():
     assert store.held_bytes == 192
     store.slot("u1", g2).fill_(7)
     store.slot("u1", g1).fill_(1)
-    store.seal("v1")
-    assert (store.version("u1"), store.version("u2")) == ("v1", None)
+    store.seal(1)
+    assert (store.update_of("u1"), store.update_of("u2")) == (1, None)
     assert store.slot("u1", g2).tolist() == [7] * 30
 
     store.start_update()
-    assert store.version("u1") is None  # being overwritten
+    assert store.update_of("u1") is None  # being overwritten
     store.break_unit("u1")
-    store.seal("v2")
-    assert store.version("u1") is None  # half new: no target may take a delta against it
+    store.seal(2)
+    assert store.update_of("u1") is None  # half new: no target may take a delta against it
 
     store.configure({"u1": [g1, g2]})
     store.start_update()
-    store.seal("v3")
-    assert store.version("u1") == "v3" and store.slot("u1", g2).tolist() == [7] * 30  # kept
+    store.seal(3)
+    assert store.update_of("u1") == 3 and store.slot("u1", g2).tolist() == [7] * 30  # kept
     store.configure({"u1": [g2, g1]})  # another order: other slots, a new baseline
-    assert store.version("u1") is None and store.held_bytes == 0
+    assert store.update_of("u1") is None and store.held_bytes == 0
 
 
 def test_delta_options_are_typed():

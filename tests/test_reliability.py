@@ -29,7 +29,7 @@ import pytest
 pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is not installed")
 
 import torch  # noqa: E402
-from tests.helpers.engines import RecordingTransport, engines, small_model  # noqa: E402
+from tests.helpers.engines import RecordingTransport, engines, small_model, wait_for  # noqa: E402
 
 from p2psync.adapters.fsdp2 import FSDP2Source  # noqa: E402
 from p2psync.adapters.torch import serve  # noqa: E402
@@ -54,17 +54,6 @@ def status(rendezvous: Rendezvous, engine_id: str, *, url: str | None = None) ->
     """What engine `engine_id` rank 0 says about itself (its status call)."""
     url = url or rendezvous.read_engine(engine_id)[0].control_url
     return post(url, "info", token=rendezvous.token(), timeout=10)
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not seen within {timeout} s")
-        time.sleep(0.1)
 
 
 def perturb(model: torch.nn.Module, step: int) -> None:

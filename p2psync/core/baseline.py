@@ -1,5 +1,6 @@
 """Baselines of delta updates: per layout unit (layout key and rank) a sender produces, the
-bytes it produced in the last update and that update's version.
+bytes it produced in the last update and that update's number (the session's own
+count: users may reuse version names).
 
 A unit's baseline mirrors how its groups sit in the transfer buffers: each group
 has a slot of its aligned size, and a region of a group's bytes has the same
@@ -30,8 +31,8 @@ class _Baseline:
     slots: dict[ParamGroup, int]
     nbytes: int
     data: torch.Tensor | None = None
-    #: The version whose bytes `data` holds in full; None while unknown or being overwritten.
-    version: str | None = None
+    #: The update whose bytes `data` holds in full; None while unknown or being overwritten.
+    update: int | None = None
     #: Whether producing this unit failed in the update under way (its slots may be half new).
     broken: bool = False
 
@@ -62,10 +63,10 @@ class BaselineStore:
         """Host memory the baselines hold."""
         return sum(b.data.numel() for b in self._units.values() if b.data is not None)
 
-    def version(self, unit: str) -> str | None:
-        """The version whose bytes the unit's baseline holds, or None."""
+    def update_of(self, unit: str) -> int | None:
+        """The update whose bytes the unit's baseline holds, or None."""
         baseline = self._units.get(unit)
-        return None if baseline is None else baseline.version
+        return None if baseline is None else baseline.update
 
     def start_update(self) -> None:
         """Allocate the baselines that fit the budget and mark every one as being overwritten."""
@@ -80,7 +81,7 @@ class BaselineStore:
                     continue
                 baseline.data = torch.empty(max(baseline.nbytes, 1), dtype=torch.uint8, pin_memory=self.pin_memory)
                 held += baseline.nbytes
-            baseline.version, baseline.broken = None, False
+            baseline.update, baseline.broken = None, False
         if left_out:
             log.info(
                 "delta baselines: %d unit(s) do not fit the %d-byte budget and are always sent in full: %s",
@@ -96,11 +97,13 @@ class BaselineStore:
         return baseline.data[start : start + group.nbytes]
 
     def break_unit(self, unit: str) -> None:
-        """Producing the unit failed: its baseline holds no whole version after this update."""
-        self._units[unit].broken = True
+        """Producing the unit failed: its baseline (if it has one here) holds no whole update
+        after this one."""
+        if unit in self._units:
+            self._units[unit].broken = True
 
-    def seal(self, version: str) -> None:
-        """Every unit produced whole in this update now holds `version`."""
+    def seal(self, update: int) -> None:
+        """Every unit produced whole in this update now holds update number `update`."""
         for baseline in self._units.values():
             if baseline.data is not None and not baseline.broken:
-                baseline.version = version
+                baseline.update = update

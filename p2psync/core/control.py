@@ -8,6 +8,7 @@ instead, by their adapter.
 from __future__ import annotations
 
 import hmac
+import http.client
 import json
 import logging
 import threading
@@ -97,5 +98,5 @@ def post(url: str, route: str, body: Mapping[str, Any] | None = None, *, token: 
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")
         raise ControlError(f"{route} at {url} answered {exc.code}: {detail}") from exc
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, http.client.HTTPException) as exc:  # HTTPException: the engine died mid-answer
         raise ControlError(f"{route} at {url} failed: {exc}") from exc

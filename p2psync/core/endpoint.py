@@ -1,9 +1,10 @@
 """The engine-side endpoint and its trainer-side control client.
 
 An endpoint runs inside an engine worker (one per rank): it registers exactly
-the rank's parameter memory with the transport, claims the engine id and publishes
-the target table, and serves the control calls `pause`, `renew`, `finish`, `digest`,
-`info` (its status) and `retire`. Adapters whose engine has no control API of its own
+the rank's parameter memory (and a patch area for delta updates) with the transport,
+claims the engine id and publishes the target table, and serves the control calls
+`pause`, `renew`, `patch` (apply a delta patch, see `patch.PatchArea`), `finish`,
+`digest`, `info` (its status) and `retire`. Adapters whose engine has no control API of its own
 (a plain torch module, a worker without a server) use it as is; the callables say
 what pausing and resuming mean for that engine. Whether the engine may serve, and
 the lease of an update in progress, live in its `EngineState`.
@@ -24,10 +25,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .control import ControlServer, Refused, post
+from .delta import PatchRecord
 from .digest import byte_view, digest
 from .engine import EngineControl
 from .engine_state import EngineState
 from .errors import ControlError, P2PSyncError, RendezvousError, first_line, where
+from .memory import device_of
+from .patch import PatchArea, default_area_bytes
 from .types import Region, TargetParam, TargetTable
 
 if TYPE_CHECKING:
@@ -79,6 +83,10 @@ class EngineEndpoint:
     update lands. `incarnation` replaces a live predecessor of the same engine id and
     rank explicitly (it must be higher than the predecessor's); without it the endpoint
     refuses to start beside a live one, and replaces a dead one as the next incarnation.
+    `patch_bytes` sizes the patch area delta updates write into (None: an eighth of
+    the parameter bytes, 1 to 64 MiB; 0: none, the rank takes full updates only).
+    Delta updates patch the bytes the last update left; an engine whose post-load
+    step rewrites its published parameters in place must pass 0.
     """
 
     def __init__(
@@ -98,6 +106,7 @@ class EngineEndpoint:
         extra: Mapping[str, Any] | None = None,
         version: str | None = None,
         incarnation: int | None = None,
+        patch_bytes: int | None = None,
     ) -> None:
         for name, tensor in params.items():
             if not tensor.is_contiguous():
@@ -118,6 +127,10 @@ class EngineEndpoint:
         self.state = EngineState(version=version)
         self.table: TargetTable | None = None
         self.transport_info: dict[str, Any] = {}
+        if patch_bytes is None:
+            patch_bytes = default_area_bytes(sum(t.numel() * t.element_size() for t in self.params.values()))
+        self.patch_bytes = patch_bytes
+        self.patches: PatchArea | None = None
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._closing = False
@@ -163,10 +176,13 @@ class EngineEndpoint:
         self.transport.bind(self.rendezvous)
         # Zero-element parameters have no memory to register (a transport may refuse
         # size 0); their tables still list them, and no write ever reaches them.
-        self.transport_info = self.transport.expose([t for t in self.params.values() if t.numel() > 0])
+        if self.patch_bytes and self.params:
+            self.patches = PatchArea(self.patch_bytes, device_of(list(self.params.values())))
+        exposed = [t for t in self.params.values() if t.numel() > 0] + ([self.patches.tensor] if self.patches else [])
+        self.transport_info = self.transport.expose(exposed)
         routes = {
-            "pause": self._pause, "renew": self._renew, "finish": self._finish, "digest": self._digest,
-            "info": self._info, "retire": self._retire,
+            "pause": self._pause, "renew": self._renew, "patch": self._patch, "finish": self._finish,
+            "digest": self._digest, "info": self._info, "retire": self._retire,
         }
         routes.update({name: self._serving_only(handler) for name, handler in self.hooks.routes.items()})
         self._server = ControlServer(routes, host=self.host, token=self.token)
@@ -205,6 +221,7 @@ class EngineEndpoint:
             extra=self.extra,
             incarnation=self.requested_incarnation or 0,
             instance=f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}",
+            patch_area=(self.patches.tensor.data_ptr(), self.patches.nbytes) if self.patches else None,
         )
 
     # -- one engine id, one engine -----------------------------------------------------
@@ -322,10 +339,17 @@ class EngineEndpoint:
             self._changed.notify_all()
         return {}
 
+    def _patch(self, body: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            if self.patches is None:
+                raise Refused(f"{self.where} has no patch area (patch_bytes=0)")
+            self.state.check_update(str(body["version"]), "patch")
+            return {"changed": self.patches.apply(self.params, body["records"])}
+
     def _finish(self, body: dict[str, Any]) -> dict[str, Any]:
         version = str(body["version"])
         with self._lock:
-            self.state.check_finish(version)
+            self.state.check_update(version, "finish")
             self.hooks.post_process()
             self.hooks.flush_cache()
             self.state.complete(version)
@@ -411,6 +435,9 @@ class EndpointControl(EngineControl):
     def digests(self, rank: int, regions: Mapping[str, Sequence[Region]]) -> dict[str, str]:
         spans = {name: [[r.param_offset, r.nbytes] for r in rs] for name, rs in regions.items()}
         return self._call(self.tables[rank], "digest", {"regions": spans})["digests"]
+
+    def apply_patch(self, rank: int, version: str, records: Sequence[PatchRecord]) -> None:
+        self._call(self.tables[rank], "patch", {"version": version, "records": [r.to_wire() for r in records]})
 
     def info(self, rank: int) -> dict[str, Any]:
         return self._call(self.tables[rank], "info")

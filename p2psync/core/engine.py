@@ -6,6 +6,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
+from .delta import PatchRecord
+from .errors import ControlError
 from .layout import Layout
 from .options import NoOptions, parse
 from .types import ParamSpec, Region, TargetTable
@@ -36,6 +38,13 @@ class EngineControl(ABC):
     @abstractmethod
     def digests(self, rank: int, regions: Mapping[str, Sequence[Region]]) -> dict[str, str]:
         """Digest of the bytes `rank` holds in the given regions of each parameter."""
+
+    def apply_patch(self, rank: int, version: str, records: Sequence[PatchRecord]) -> None:
+        """Have `rank` scatter the delta patch written into its patch area into its
+        parameters, before its next patch lands there; only as part of the update to
+        `version`. Only engines that publish a patch area (those served by p2psync's
+        endpoint) take patches."""
+        raise ControlError(f"{type(self).__name__} takes no delta patches")
 
     def close(self) -> None:
         """Drop connections."""

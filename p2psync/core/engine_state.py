@@ -54,16 +54,16 @@ class EngineState:
             raise Refused(f"lease renewal for version {version!r}, but {self._in_progress()}")
         self.lease_until = now + self.lease
 
-    def check_finish(self, version: str) -> None:
-        """Refuse a finish that does not end the update in progress."""
+    def check_update(self, version: str, call: str) -> None:
+        """Refuse a `call` (finish, patch) that is not part of the update in progress."""
         self._refuse_if_retired()
         if self.updating != version:
-            raise Refused(f"finish of version {version!r}, but {self._in_progress()}")
+            raise Refused(f"{call} of version {version!r}, but {self._in_progress()}")
 
     def complete(self, version: str) -> None:
         """Every write of the update to `version` landed: hold it and serve again. Also
         after the lease ran out: the bytes are whole, the update only came late."""
-        self.check_finish(version)
+        self.check_update(version, "finish")
         self.version, self.updating, self.lease_until, self.stale = version, None, None, None
 
     def expire(self, now: float) -> str | None:

@@ -12,7 +12,8 @@ class EngineReport:
 
     `seconds` runs from the start of the update to the last write that landed on
     the engine; `bytes` counts what all senders wrote to all its ranks, and
-    `rank_bytes` what they wrote to each rank.
+    `rank_bytes` what they wrote to each rank. `delta_ranks` are the ranks that
+    received a delta (only what changed) rather than their full bytes.
     """
 
     engine_id: str
@@ -22,6 +23,7 @@ class EngineReport:
     seconds: float = 0.0
     checked: bool = False
     error: str | None = None
+    delta_ranks: list[int] = field(default_factory=list)
 
     @property
     def gbps(self) -> float:
@@ -30,11 +32,24 @@ class EngineReport:
 
 @dataclass
 class UpdateReport:
-    """The result of `Session.update`; `stale` names every engine not resumed."""
+    """The result of `Session.update`; `stale` names every engine not resumed.
+
+    In delta mode, `delta_memory_bytes` is the host memory all senders hold for it
+    (baselines and patch buffers), and `changed_elements` of `compared_elements`
+    changed since the delta targets' baselines.
+    """
 
     version: str
     seconds: float
     engines: dict[str, EngineReport] = field(default_factory=dict)
+    delta_memory_bytes: int = 0
+    changed_elements: int = 0
+    compared_elements: int = 0
+
+    @property
+    def changed_fraction(self) -> float:
+        """Fraction of the compared elements that changed (0 when none was compared)."""
+        return self.changed_elements / self.compared_elements if self.compared_elements else 0.0
 
     @property
     def ok(self) -> bool:
@@ -50,9 +65,16 @@ class UpdateReport:
         for e in sorted(self.engines.values(), key=lambda e: e.engine_id):
             status = "ok" if e.ok else "STALE"
             check = "digest ok" if e.checked and e.ok else ("-" if not e.checked else "")
+            if e.delta_ranks:
+                check += f", delta to rank(s) {','.join(map(str, e.delta_ranks))}"
             lines.append(f"  {e.engine_id:<16} {status:<7} {e.bytes:>14,} {e.seconds:>9.3f} {e.gbps:>7.2f}  {check}")
             if e.error:
                 lines.append(f"    error: {e.error}")
+        if self.delta_memory_bytes:
+            lines.append(
+                f"  delta: {self.changed_fraction:.4%} of {self.compared_elements:,} elements changed; "
+                f"senders hold {self.delta_memory_bytes:,} bytes for it"
+            )
         return "\n".join(lines)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 from . import collectives
 from .buckets import make_buckets
 from .buffers import BufferPool, Lease
+from .delta_send import DeltaOptions, DeltaSender, StagedPatch, parse_delta
 from .digest import byte_view, digest
 from .engine import EngineControl, EngineTarget
 from .errors import ConnectError, ControlError, P2PSyncError, TrainerLost, UpdateError, first_line, where
@@ -96,6 +97,7 @@ class _Connection:
     packed_inputs: list[str] = field(default_factory=list)
     gather_dtypes: dict[str, str] = field(default_factory=dict)
     pool: BufferPool | None = None
+    patch_pool: BufferPool | None = None  # delta mode: where patches are staged
     peers: dict[TargetId, tuple[str, Peer]] = field(default_factory=dict)  # target -> (table json, peer)
     writers: dict[str, EngineWriter] = field(default_factory=dict)
     controls: dict[str, EngineControl] = field(default_factory=dict)
@@ -116,6 +118,16 @@ class _Connection:
                 control.close()
         if self.pool is not None and (kept is None or kept.pool is not self.pool):
             self.pool.close()
+        if self.patch_pool is not None and (kept is None or kept.patch_pool is not self.patch_pool):
+            self.patch_pool.close()
+
+    def served_units(self) -> dict[str, tuple[list[TargetTable], list[ParamGroup]]]:
+        """Per unit this rank serves: its tables and its groups in sending order."""
+        units: dict[str, tuple[list[TargetTable], list[ParamGroup]]] = {}
+        for work in self.work:
+            for unit, groups in work:
+                units.setdefault(unit.unit, (unit.tables, []))[1].extend(groups)
+        return units
 
 
 def _fill_packed(packing: Packing, shards: Mapping[str, Any], out: Any) -> list[Region]:
@@ -138,7 +150,9 @@ class Session:
     world rank 0 renews it as buckets go by. `gather`: "always" gathers every HF
     tensor before producing bytes; "auto" sends groups that are copies of the ranks'
     own shards without a gather, where every layout and the source allow it, and
-    gathers the rest.
+    gathers the rest. `delta` (True, or `DeltaOptions` / their mapping) sends each
+    target only what changed since the bytes it holds (see `delta_send`; gathered groups
+    only: gather-free ones are sent whole); full updates are the default.
     """
 
     def __init__(
@@ -158,6 +172,7 @@ class Session:
         engine_options: Mapping[str, Mapping[str, Any]] | None = None,
         update_lease: float | None = None,
         gather: str = "always",
+        delta: bool | Mapping[str, Any] | DeltaOptions = False,
     ) -> None:
         if gather not in GATHER_MODES:
             raise ValueError(f"gather must be one of {GATHER_MODES}, got {gather!r}")
@@ -189,6 +204,11 @@ class Session:
         self._heartbeat = Heartbeat(rendezvous, self.rank, collectives.world_size())
         self._broken: str | None = None  # why update cannot run again
         self._clock = PhaseClock()
+        delta_options = parse_delta(delta)
+        self._delta = None if delta_options is None else DeltaSender(
+            delta_options, device=buffer_device, pin_memory=pin_memory, acquire_timeout=transfer_timeout,
+            on_stall=self._abandon_laggards,
+        )
 
     @property
     def plan(self) -> Plan | None:
@@ -204,6 +224,11 @@ class Session:
         """Bytes of the registered transfer buffers (both of them)."""
         pool = self._conn.pool if self._conn else None
         return pool.nbytes * len(pool.tensors) if pool else 0
+
+    @property
+    def delta_bytes(self) -> int:
+        """Bytes this rank holds for delta updates: baselines and patch buffers."""
+        return self._delta.store.held_bytes + self._delta.buffer_bytes if self._delta else 0
 
     @property
     def largest_group_bytes(self) -> int:
@@ -235,8 +260,9 @@ class Session:
     @property
     def phase_seconds(self) -> dict[str, float]:
         """Where this rank's last update spent its time: pause (until world rank 0 paused the
-        engines), gather, produce (filling buffers), buffer_wait (for a buffer that writes
-        still held), drain (the last writes), verify, finish (reports and finish calls)."""
+        engines), gather, produce (filling buffers), delta (comparing with the baselines and
+        staging patches, in delta mode), buffer_wait (for a buffer that writes still held),
+        drain (the last writes), verify, finish (reports and finish calls)."""
         return dict(self._clock.seconds)
 
     @property
@@ -292,6 +318,8 @@ class Session:
         if self._conn is not None:
             self._conn.close_unless_in(candidate)
         self._conn = candidate
+        if self._delta is not None:
+            self._delta.connect(tables, candidate.served_units(), candidate.patch_pool)
         log.info(
             "connected to %d engines (%d targets); serving %d of them from %d buckets",
             len(tables), sum(len(t) for t in tables.values()),
@@ -389,6 +417,10 @@ class Session:
                 conn.work[i].append((unit, groups))
 
         conn.pool = self._pool_for(conn.work, conn.packed)
+        if self._delta is not None:
+            conn.patch_pool = self._delta.pool_for(
+                conn.served_units(), self._conn.patch_pool if self._conn else None, self.transport
+            )
         self._open(conn, mine_targets)
         if self.rank == 0:
             for control in conn.controls.values():
@@ -530,7 +562,9 @@ class Session:
 
     # -- update ----------------------------------------------------------------------------
 
-    def update(self, version: str, *, progress: Callable[[int, int], None] | None = None) -> UpdateReport:
+    def update(
+        self, version: str, *, progress: Callable[[int, int], None] | None = None, full: bool = False
+    ) -> UpdateReport:
         """Write the trainer's current weights into every connected engine.
 
         Collective over the trainer world. Returns the same report on every rank;
@@ -538,7 +572,8 @@ class Session:
         `progress(done, total)` is called after each bucket. A failure on the trainer
         side (a lost trainer rank, a failed gather, an exception from `progress`)
         raises UpdateError (TrainerLost naming the lost ranks); the engines paused for
-        this update are not resumed, and the session cannot update again.
+        this update are not resumed, and the session cannot update again. In delta
+        mode, `full` sends every target its full bytes this time.
         """
         if self._broken is not None:
             raise UpdateError(self._broken)
@@ -547,7 +582,7 @@ class Session:
             raise P2PSyncError("update before connect")
         with self._heartbeat:
             try:
-                return self._update(conn, version, progress)
+                return self._update(conn, version, progress, full)
             except Exception as exc:
                 error = self._failure(version, exc)
         for writer in conn.writers.values():
@@ -573,9 +608,13 @@ class Session:
         error.__cause__ = exc
         return error
 
-    def _update(self, conn: _Connection, version: str, progress: Callable[[int, int], None] | None) -> UpdateReport:
+    def _update(
+        self, conn: _Connection, version: str, progress: Callable[[int, int], None] | None, full: bool
+    ) -> UpdateReport:
         start = time.monotonic()
         self._clock = PhaseClock()
+        if self._delta is not None:
+            self._delta.begin(full)
         lease = UpdateLease(conn.controls, version, self.update_lease) if self.rank == 0 else None
         paused = lease.pause_all() if lease else None
         failed: dict[str, str] = collectives.broadcast(paused)
@@ -590,8 +629,8 @@ class Session:
         if conn.packed:
             shards = self.source.local_shards(conn.packed_inputs)
             for unit, packings in conn.packed:
-                fills = [(p.nbytes, functools.partial(_fill_packed, p, shards)) for p in packings]
-                self._send(conn, unit, fills, packed[unit.unit])
+                fills = [(p.nbytes, functools.partial(_fill_packed, p, shards), None) for p in packings]
+                self._send(conn, version, unit, fills, packed[unit.unit])
                 if lease:
                     lease.progressed(failed)
             del shards
@@ -601,8 +640,8 @@ class Session:
             tensors = self.source.gather_cast(names, casts)
             self._clock.lap("gather")
             for unit, groups in conn.work[i]:
-                fills = [(g.nbytes, functools.partial(unit.layout.fill, g, tensors)) for g in groups]
-                self._send(conn, unit, fills, produced[unit.unit])
+                fills = [(g.nbytes, functools.partial(unit.layout.fill, g, tensors), g) for g in groups]
+                self._send(conn, version, unit, fills, produced[unit.unit])
             self._clock.lap("produce")
             del tensors
             if lease:
@@ -626,46 +665,66 @@ class Session:
         }
         report = collectives.broadcast(self._report(conn, version, start, collectives.all_gather(mine), failed))
         self._clock.lap("finish")
+        if self._delta is not None:
+            self._delta.finish(report)
         return report
 
     def _send(
         self,
         conn: _Connection,
+        version: str,
         unit: _Unit,
-        fills: list[tuple[int, Callable[[Any], list[Region]]]],
+        fills: list[tuple[int, Callable[[Any], list[Region]], ParamGroup | None]],
         produced: dict[str, _Produced],
     ) -> None:
         """Fill transfer buffers with one unit's groups and hand them to the writers. `fills`:
-        per group, its bytes and what writes them into a buffer slice (returning the regions)."""
+        per group, its bytes, what writes them into a buffer slice (returning the regions) and
+        the group where it was gathered (None: a gather-free packing), which delta mode diffs."""
         pool = conn.pool
         assert pool is not None
         lease: Lease | None = None
         regions: list[Region] = []
+        dense: list[Region] = []  # delta mode: what the unit's delta targets get written in place
         offset = 0
         try:
-            for nbytes, fill in fills:
+            for nbytes, fill, group in fills:
                 if lease is None or offset + nbytes > pool.nbytes:
                     if lease is not None:
-                        self._submit(conn, unit, lease, regions)
+                        self._submit(conn, unit, lease, regions, dense)
                         lease = None  # _submit released the filler's reference
                     self._clock.lap("produce")
-                    lease, regions, offset = pool.acquire(self.transfer_timeout, self._abandon_laggards), [], 0
+                    lease, regions, dense, offset = (
+                        pool.acquire(self.transfer_timeout, self._abandon_laggards), [], [], 0
+                    )
                     self._clock.lap("buffer_wait")
                 out = lease.tensor[offset : offset + nbytes]
                 written = [Region(r.param, r.param_offset, r.buffer_offset + offset, r.nbytes) for r in fill(out)]
                 regions.extend(written)
                 if self.check:
                     self._record(lease, written, produced)
+                if self._delta is not None:
+                    self._clock.lap("produce")
+                    if group is None:  # gather-free: written whole, also to delta targets
+                        dense.extend(written)
+                    else:
+                        dense.extend(self._delta.diff(unit.unit, group, out, written, offset))
+                        self._submit_patches(conn, version)
+                    self._clock.lap("delta")
                 offset += aligned(nbytes)
             if lease is not None:
-                self._submit(conn, unit, lease, regions)
+                self._submit(conn, unit, lease, regions, dense)
                 lease = None
+            if self._delta is not None:
+                self._delta.flush()
+                self._submit_patches(conn, version)
         except Exception as exc:  # a layout or buffer failure fails this unit's engines only
             log.exception("producing bytes for %s failed", unit.unit)
             for table in unit.tables:
                 conn.writers[table.engine_id].fail(f"{where(table.engine_id, table.rank)}: {type(exc).__name__}: {exc}")
             if lease is not None:
                 lease.release()
+            if self._delta is not None:
+                self._delta.unit_failed(unit.unit)
 
     def _abandon_laggards(self, since: float) -> None:
         """Fail the engines whose writes have held a buffer since `since`, so that they
@@ -678,17 +737,40 @@ class Session:
                     "and held back the other engines"
                 )
 
-    def _submit(self, conn: _Connection, unit: _Unit, lease: Lease, regions: list[Region]) -> None:
+    def _submit(self, conn: _Connection, unit: _Unit, lease: Lease, regions: list[Region], dense: list[Region]) -> None:
+        """Hand a filled buffer's writes to the writers: all `regions` to each target, or
+        only the `dense` ones to a delta target (its sparse changes go as patches)."""
         for table in unit.tables:
             writer = conn.writers[table.engine_id]
             if writer.progress.error is not None:
                 continue
             addrs = {p.name: p.addr for p in table.params}
             batch = WriteBatch()
-            for r in regions:
+            delta = self._delta is not None and self._delta.is_delta(table.target)
+            for r in dense if delta else regions:
                 batch.add(lease.addr + r.buffer_offset, addrs[r.param] + r.param_offset, r.nbytes)
             writer.submit(WriteJob(table.target, conn.peers[table.target][1], batch, lease))
         lease.release()
+
+    def _submit_patches(self, conn: _Connection, version: str) -> None:
+        """Hand every staged delta patch to the writers of its unit's delta targets: written
+        into the target's patch area, then applied there by the engine."""
+        assert self._delta is not None
+        for patch in self._delta.ready():
+            for table in self._delta.targets_of(patch):
+                writer = conn.writers[table.engine_id]
+                if writer.progress.error is not None or table.patch_area is None:
+                    continue
+                batch = WriteBatch()
+                batch.add(patch.lease.addr, table.patch_area[0], patch.nbytes)
+                apply = self._patch_call(conn.controls[table.engine_id], table, version, patch)
+                writer.submit(WriteJob(table.target, conn.peers[table.target][1], batch, patch.lease, after=apply))
+            patch.lease.release()
+
+    @staticmethod
+    def _patch_call(control: EngineControl, table: TargetTable, version: str, patch: StagedPatch) -> Callable[[], None]:
+        records = patch.records
+        return lambda: control.apply_patch(table.rank, version, records)
 
     @staticmethod
     def _record(lease: Lease, regions: list[Region], produced: dict[str, _Produced]) -> None:
@@ -759,6 +841,8 @@ class Session:
 
     def close(self) -> None:
         """Stop write threads, close peers and control clients, unregister buffers."""
+        if self._delta is not None:
+            self._delta.close()
         if self._conn is not None:
             self._conn.close_unless_in(None)
             self._conn = None

@@ -72,6 +72,7 @@ class TargetTable:
     extra: dict[str, Any] = field(default_factory=dict)
     incarnation: int = 0
     instance: str = ""
+    patch_area: tuple[int, int] | None = None
 
     @property
     def target(self) -> TargetId:
@@ -85,6 +86,12 @@ class TargetTable:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.params)
+
+    @property
+    def writable(self) -> list[tuple[int, int]]:
+        """(address, bytes) of all the memory trainers write: parameters and patch area."""
+        spans = [(p.addr, p.nbytes) for p in self.params]
+        return spans + ([self.patch_area] if self.patch_area is not None else [])
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -105,7 +112,9 @@ class TargetTable:
                 )
                 for p in raw.pop("params")
             )
-            table = cls(params=params, **raw)
+            area = raw.pop("patch_area", None)
+            patch_area = None if area is None else (int(area[0]), int(area[1]))
+            table = cls(params=params, patch_area=patch_area, **raw)
         except (ValueError, KeyError, TypeError) as exc:
             raise RendezvousError(f"target table does not parse: {exc!s}") from exc
         for p in table.params:

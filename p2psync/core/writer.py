@@ -14,10 +14,11 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .buffers import Lease
-from .errors import TransferError, where
+from .errors import P2PSyncError, TransferError, where
 from .transport import Peer, WriteBatch
 from .types import TargetId
 
@@ -26,12 +27,15 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class WriteJob:
-    """Writes of one filled buffer to one engine rank; holds the buffer until released."""
+    """Writes of one filled buffer to one engine rank; holds the buffer until released.
+    `after`, if given, runs on the write thread once the bytes have landed, before the
+    engine's next job (a delta patch's apply call)."""
 
     target: TargetId
     peer: Peer
     batch: WriteBatch
     lease: Lease
+    after: Callable[[], None] | None = None
     submitted: float = field(default_factory=time.monotonic)
     _released: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -152,6 +156,13 @@ class EngineWriter:
             log.exception("write to %s raised", job.target)
             self.fail(f"{where(job.target.engine_id, job.target.rank)}: {type(exc).__name__}: {exc}")
             return
+        if job.after is not None:
+            try:
+                job.after()
+            except P2PSyncError as exc:  # a failed apply fails this engine: its weights may be half patched
+                log.warning("after the write to %s: %s", job.target, exc)
+                self.fail(str(exc))
+                return
         self.progress.bytes += job.batch.nbytes
         rank = job.target.rank
         self.progress.rank_bytes[rank] = self.progress.rank_bytes.get(rank, 0) + job.batch.nbytes

@@ -11,10 +11,10 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -31,6 +31,21 @@ def small_model(seed: int, width: int = 32) -> torch.nn.Module:
         torch.nn.LayerNorm(2 * width),
         torch.nn.Linear(2 * width, 16, bias=False),
     )
+
+
+T = TypeVar("T")
+
+
+def wait_for(predicate: Callable[[], T], timeout: float, what: str) -> T:
+    """The first truthy value of `predicate`, polled until `timeout` seconds passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not seen within {timeout} s")
+        time.sleep(0.1)
 
 
 class RecordingTransport(Transport):
@@ -60,15 +75,29 @@ class RecordingTransport(Transport):
 def engine_process(
     engine_id: str, port: int, job_id: str, transport: str, seed: int, width: int, dtype: str, stop: Any
 ) -> None:
-    """A torch engine serving `small_model` (in `dtype`) until `stop` is set."""
+    """A torch engine serving `small_model` (in `dtype`) until `stop` is set. Besides the
+    endpoint's routes: `state` returns every parameter's bytes (hex), read by tests as
+    the engine holds them; `poke` flips the bits of one byte of parameter `name`."""
     from p2psync.adapters.torch import serve
+    from p2psync.core.endpoint import EngineHooks
     from p2psync.core.logs import configure
 
     configure(f"{engine_id} rank 0")
     torch.set_num_threads(1)
     model = small_model(seed, width).to(getattr(torch, dtype))
     rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id=job_id)
-    endpoint = serve(model, engine_id=engine_id, rendezvous=rendezvous, transport=transport)
+    params = dict(model.named_parameters())
+
+    def raw(name: str) -> torch.Tensor:
+        return params[name].data.reshape(-1).view(torch.uint8)
+
+    def poke(body: dict[str, Any]) -> None:
+        raw(body["name"])[int(body.get("byte", 0))] ^= 0xFF
+
+    routes = {"state": lambda body: {n: raw(n).numpy().tobytes().hex() for n in params}, "poke": poke}
+    endpoint = serve(
+        model, engine_id=engine_id, rendezvous=rendezvous, transport=transport, hooks=EngineHooks(routes=routes)
+    )
     stop.wait()
     endpoint.close()
 

@@ -91,7 +91,8 @@ class SameHostTransport(Transport):
 
 
 class ProcessPeer(Peer):
-    """process_vm_writev into one engine rank's process, only into its published parameters."""
+    """process_vm_writev into one engine rank's process, only into the memory it published
+    (parameters and patch area)."""
 
     def __init__(self, pid: int, started: int | None, open_word: tuple[int, int], table: TargetTable, who: str) -> None:
         self.pid = pid
@@ -99,11 +100,11 @@ class ProcessPeer(Peer):
         self.open_word = open_word
         self.who = who
         spans: list[list[int]] = []
-        for p in sorted(table.params, key=lambda p: p.addr):
-            if spans and p.addr <= spans[-1][1]:
-                spans[-1][1] = max(spans[-1][1], p.addr + p.nbytes)
+        for addr, nbytes in sorted(table.writable):
+            if spans and addr <= spans[-1][1]:
+                spans[-1][1] = max(spans[-1][1], addr + nbytes)
             else:
-                spans.append([p.addr, p.addr + p.nbytes])
+                spans.append([addr, addr + nbytes])
         self._starts = [s for s, _ in spans]
         self._ends = [e for _, e in spans]
         self._check_alive()
@@ -120,7 +121,7 @@ class ProcessPeer(Peer):
         for remote, length in zip(batch.remote, batch.lengths):
             i = bisect.bisect_right(self._starts, remote) - 1
             if i < 0 or remote + length > self._ends[i]:
-                raise TransferError(f"{self.who}: bytes [{remote:#x}, +{length}) are not in its published parameters")
+                raise TransferError(f"{self.who}: bytes [{remote:#x}, +{length}) are not in the memory it published")
 
     def write(self, batch: WriteBatch, *, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -1,0 +1,281 @@
+"""The sender's side of delta updates: which targets get a delta, what changed, and the
+patches staged for them.
+
+A target's bytes equal its unit's baseline only if it acknowledged the update that
+produced the baseline. So every trainer rank tracks, per target, the update it
+holds (the session's own count of updates): set when an update leaves its engine
+resumed (written, checked when `check` is on, finished), dropped when the engine
+failed, and forgotten when the target publishes another table (restarted,
+re-registered) or is not connected. At each update a target gets a delta when
+delta mode is on, no full update is due, its table has a patch area and the update
+it holds is the one its unit's baseline holds; otherwise it gets the full bytes,
+which re-seed it. The baselines are re-seeded by every update either way.
+
+For the delta targets of a unit, each region the layout produced is compared with
+the baseline in chunks that fit the engine's patch area; a chunk goes dense (a
+plain write into the parameter, like a full update) or sparse (its pieces staged
+into a patch buffer, written into the engine's patch area and applied by the
+engine before the next patch lands there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from . import collectives
+from .baseline import BaselineStore
+from .buffers import BufferPool, Lease
+from .delta import MAX_RECORD_ELEMENTS, Change, PatchRecord, diff, element_size_for, piece, record_bytes
+from .layout import ParamGroup
+from .types import Region, TargetId, TargetTable, dtype_size
+
+if TYPE_CHECKING:
+    import torch
+
+    from .report import UpdateReport
+    from .transport import Transport
+
+#: Per unit a sender serves: its tables and its groups in sending order.
+Served = Mapping[str, tuple[Sequence[TargetTable], Sequence[ParamGroup]]]
+
+
+@dataclass(frozen=True)
+class DeltaOptions:
+    """Delta updates (`Session(delta=...)`): `full_every` makes every N-th update a full
+    one (0: only targets that need one get it); `memory_bytes` bounds the baselines a
+    sender holds (None: no bound); units beyond it are always sent in full."""
+
+    full_every: int = 0
+    memory_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.full_every < 0:
+            raise ValueError(f"full_every must be 0 or more, got {self.full_every}")
+        if self.memory_bytes is not None and self.memory_bytes < 0:
+            raise ValueError(f"memory_bytes must be 0 or more, got {self.memory_bytes}")
+
+
+@dataclass
+class StagedPatch:
+    """Patch records of one unit staged in a patch buffer; written to every delta target
+    of the unit (into its patch area at offset 0), then applied there."""
+
+    unit: str
+    lease: Lease
+    nbytes: int = 0
+    records: list[PatchRecord] = field(default_factory=list)
+
+
+@dataclass
+class DeltaStats:
+    """What delta mode did in one update on one sender."""
+
+    targets: list[TargetId] = field(default_factory=list)
+    patch_bytes: int = 0
+    changed: int = 0
+    compared: int = 0
+
+
+class DeltaSender:
+    """Delta state of one trainer rank: baselines, the update each target holds, patch buffers.
+
+    `acquire_timeout` bounds the wait for a free patch buffer, after which `on_stall`
+    may fail the engines holding them (as for transfer buffers).
+    """
+
+    def __init__(
+        self,
+        options: DeltaOptions,
+        *,
+        device: str,
+        pin_memory: bool,
+        acquire_timeout: float,
+        on_stall: Callable[[float], None],
+    ) -> None:
+        self.options = options
+        self.device = device
+        self.store = BaselineStore(options.memory_bytes, pin_memory=pin_memory or device != "cpu")
+        self.acquire_timeout = acquire_timeout
+        self.on_stall = on_stall
+        self.stats = DeltaStats()
+        self._pool: BufferPool | None = None
+        self._tables: dict[TargetId, TargetTable] = {}
+        self._held: dict[TargetId, int] = {}
+        self._served: dict[str, list[TargetTable]] = {}
+        self._elem: dict[str, dict[str, int]] = {}
+        self._delta: set[TargetId] = set()
+        self._open: StagedPatch | None = None
+        self._ready: list[StagedPatch] = []
+        self._updates = 0
+
+    # -- connect ---------------------------------------------------------------------------
+
+    def pool_for(self, served: Served, current: BufferPool | None, transport: Transport) -> BufferPool | None:
+        """Patch buffers for the units `served` (see `connect`): `current` if it fits the
+        smallest patch area among their targets, else new ones (None: no target has one).
+        Changes nothing here, so that a connect refused later leaves this sender as it was."""
+        areas = [t.patch_area[1] for unit_tables, _ in served.values() for t in unit_tables if t.patch_area]
+        capacity = min(areas, default=0)
+        if not capacity:
+            return None
+        if current is not None and current.nbytes == capacity:
+            return current
+        return BufferPool(capacity, transport, device=self.device, pin_memory=self.store.pin_memory)
+
+    def connect(self, tables: Mapping[str, Sequence[TargetTable]], served: Served, pool: BufferPool | None) -> None:
+        """Every engine's tables, per unit this rank serves its tables and groups in
+        sending order, and the patch buffers (from `pool_for`; the connection owns them).
+        A target whose table changed is no longer known to hold anything."""
+        current = {t.target: t for engine_tables in tables.values() for t in engine_tables}
+        for target in list(self._held):
+            if target not in current or current[target] != self._tables.get(target):
+                del self._held[target]
+        self._tables = current
+        self._served = {unit: list(unit_tables) for unit, (unit_tables, _) in served.items()}
+        self._elem = {
+            unit: {p.name: dtype_size(p.dtype) for p in unit_tables[0].params}
+            for unit, (unit_tables, _) in served.items()
+        }
+        self.store.configure({unit: list(groups) for unit, (_, groups) in served.items()})
+        self._pool = pool
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the registered patch buffers."""
+        return self._pool.nbytes * len(self._pool.tensors) if self._pool else 0
+
+    # -- update ----------------------------------------------------------------------------
+
+    def begin(self, full: bool) -> None:
+        """Decide which served targets get a delta in this update (before any baseline changes)."""
+        due = self.options.full_every > 0 and self._updates % self.options.full_every == 0
+        self._updates += 1
+        self._delta = set()
+        if not (full or due) and self._pool is not None:
+            for unit, unit_tables in self._served.items():
+                base = self.store.update_of(unit)
+                for table in unit_tables:
+                    if table.patch_area is not None and base is not None and self._held.get(table.target) == base:
+                        self._delta.add(table.target)
+        self.store.start_update()
+        self.stats = DeltaStats(targets=sorted(self._delta, key=str))
+
+    def is_delta(self, target: TargetId) -> bool:
+        return target in self._delta
+
+    def diff(self, unit: str, group: ParamGroup, out: torch.Tensor, written: Sequence[Region], offset: int) -> list[Region]:
+        """Compare `group`'s bytes in `out` (regions `written`, whose buffer offsets are
+        `offset` past `out`'s start) with the baseline, stage the sparse chunks and
+        return the dense ones, for the unit's delta targets; then re-seed the baseline."""
+        base = self.store.slot(unit, group)
+        if base is None:
+            return list(written)
+        dense: list[Region] = []
+        if any(t.target in self._delta for t in self._served[unit]):
+            old_all = base.to(out.device, non_blocking=True)
+            for r in written:
+                start = r.buffer_offset - offset
+                elem = element_size_for(self._elem[unit][r.param], r.param_offset, r.nbytes, start)
+                step = self._chunk_bytes(elem)
+                for done in range(0, r.nbytes, step):
+                    n = min(step, r.nbytes - done)
+                    a = start + done
+                    change = diff(out[a : a + n], old_all[a : a + n], elem)
+                    self.stats.compared += n // elem
+                    if change is None:
+                        continue
+                    self.stats.changed += change.changed
+                    if change.kind == "dense":
+                        dense.append(Region(r.param, r.param_offset + done, r.buffer_offset + done, n))
+                    else:
+                        self._stage(unit, r.param, r.param_offset + done, elem, change)
+        base.copy_(out[: group.nbytes])
+        return dense
+
+    def _chunk_bytes(self, elem: int) -> int:
+        """Bytes compared as one record: its sparse form, always smaller than its dense
+        bytes, then fits an empty patch buffer."""
+        assert self._pool is not None
+        return max(elem, min(self._pool.nbytes, MAX_RECORD_ELEMENTS * elem) // elem * elem)
+
+    def _stage(self, unit: str, param: str, param_offset: int, elem: int, change: Change) -> None:
+        assert self._pool is not None and change.meta is not None and change.values is not None
+        size = record_bytes(change.kind, change.count, change.changed, elem)  # type: ignore[arg-type]
+        if self._open is not None and (self._open.unit != unit or self._open.nbytes + size > self._pool.nbytes):
+            self.flush()
+        if self._open is None:
+            self._open = StagedPatch(unit, self._pool.acquire(self.acquire_timeout, self.on_stall))
+        patch = self._open
+        buffer = patch.lease.tensor
+        meta_at, values_at = patch.nbytes, patch.nbytes + piece(change.meta.numel())
+        buffer[meta_at : meta_at + change.meta.numel()].copy_(change.meta)
+        buffer[values_at : values_at + change.values.numel()].copy_(change.values)
+        patch.records.append(
+            PatchRecord(param, param_offset, elem, change.count, change.changed, change.kind, meta_at, values_at)  # type: ignore[arg-type]
+        )
+        patch.nbytes += size
+        self.stats.patch_bytes += size
+
+    def flush(self) -> None:
+        """Close the patch being staged; it joins those `ready` hands out."""
+        if self._open is not None:
+            self._ready.append(self._open)
+            self._open = None
+
+    def ready(self) -> list[StagedPatch]:
+        """Staged patches to write, each holding its buffer until the caller releases it."""
+        out, self._ready = self._ready, []
+        return out
+
+    def targets_of(self, patch: StagedPatch) -> list[TargetTable]:
+        """The delta targets of the patch's unit."""
+        return [t for t in self._served[patch.unit] if t.target in self._delta]
+
+    def unit_failed(self, unit: str) -> None:
+        """Producing `unit` failed: drop what was staged for it and mark its baseline broken."""
+        for patch in [p for p in [self._open, *self._ready] if p is not None and p.unit == unit]:
+            patch.lease.release()
+        self._ready = [p for p in self._ready if p.unit != unit]
+        if self._open is not None and self._open.unit == unit:
+            self._open = None
+        self.store.break_unit(unit)
+
+    def finish(self, report: UpdateReport) -> None:
+        """After the update's report (the same on every rank; collective): record which
+        targets hold this update, seal the baselines, and add what delta mode did to the report."""
+        per_rank = collectives.all_gather((self.store.held_bytes + self.buffer_bytes, self.stats))
+        report.delta_memory_bytes = sum(held for held, _ in per_rank)
+        for _, stats in per_rank:
+            for target in stats.targets:
+                report.engines[target.engine_id].delta_ranks.append(target.rank)
+            report.changed_elements += stats.changed
+            report.compared_elements += stats.compared
+        for engine in report.engines.values():
+            engine.delta_ranks.sort()
+        for target in self._tables:
+            engine = report.engines.get(target.engine_id)
+            if engine is not None and engine.ok:
+                self._held[target] = self._updates
+            else:
+                self._held.pop(target, None)
+        self.store.seal(self._updates)
+
+    def close(self) -> None:
+        """Release what is staged (the connection closes the patch buffers)."""
+        for patch in [p for p in [self._open, *self._ready] if p is not None]:
+            patch.lease.release()
+        self._open, self._ready, self._pool = None, [], None
+
+
+def parse_delta(value: bool | Mapping[str, object] | DeltaOptions | None) -> DeltaOptions | None:
+    """Session's `delta` argument: False/None (full updates), True (defaults), options."""
+    from .options import parse
+
+    if value is None or value is False:
+        return None
+    if value is True:
+        return DeltaOptions()
+    return parse(DeltaOptions, value, what="delta")  # type: ignore[arg-type]
+

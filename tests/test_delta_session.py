@@ -1,0 +1,170 @@
+"""Delta updates end to end (tox env py): torch engines in their own processes, a trainer
+taking real AdamW steps, `Session(delta=True)`. After every update each engine's bytes
+must equal, bit for bit, what a full update writes: the trainer's tensors cast to
+the engine's dtype by torch (`param.copy_`), read back from the engine process."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is not installed")
+
+import torch  # noqa: E402
+from tests.helpers.engines import engines, small_model, wait_for  # noqa: E402
+
+from p2psync.adapters.fsdp2 import FSDP2Source  # noqa: E402
+from p2psync.core.control import post  # noqa: E402
+from p2psync.core.session import Session  # noqa: E402
+
+LR = 3e-5
+
+
+def session_for(group, model, **kwargs) -> Session:
+    kwargs.setdefault("transport", group.transport)
+    kwargs.setdefault("transfer_timeout", 10.0)
+    kwargs.setdefault("delta", True)
+    return Session(source=FSDP2Source(model), rendezvous=group.rendezvous, **kwargs)
+
+
+def restart(group, engine: str, dtype: str) -> None:
+    """Start a killed engine's successor and wait for its table: it replaces the dead
+    one's as the next incarnation (the trainer's next connect must see the new one)."""
+    before = group.rendezvous.read_engine(engine)[0].incarnation
+    group.start(engine, dtype=dtype)
+    wait_for(lambda: group.rendezvous.read_engine(engine)[0].incarnation > before, 60, f"engine {engine}'s successor")
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    """One real optimizer step: cross-entropy of random tokens' logits."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, 64, (32,), generator=generator)
+    labels = torch.randint(0, 16, (32,), generator=generator)
+    torch.nn.functional.cross_entropy(model(tokens), labels).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def held(session: Session, engine: str) -> dict[str, str]:
+    """Every parameter's bytes as the engine process holds them (hex)."""
+    table = session.tables[engine][0]
+    return post(table.control_url, "state", token=session.token, timeout=10)
+
+
+def full_bytes(model: torch.nn.Module, dtype: str) -> dict[str, str]:
+    """What a full update leaves on a torch engine of `dtype`: the oracle."""
+    return {
+        name: p.detach().to(getattr(torch, dtype)).reshape(-1).view(torch.uint8).numpy().tobytes().hex()
+        for name, p in model.named_parameters()
+    }
+
+
+def assert_bit_exact(session: Session, model: torch.nn.Module, dtypes: dict[str, str], step: int) -> None:
+    for engine, dtype in dtypes.items():
+        got, want = held(session, engine), full_bytes(model, dtype)
+        wrong = sorted(name for name in want if got.get(name) != want[name])
+        assert not wrong, f"update {step}: engine {engine} ({dtype}) differs from a full update in {wrong}"
+
+
+def test_fifty_adamw_updates_stay_bit_exact_through_a_restart_and_two_layout_keys():
+    """bf16 engines a and b share a layout key; c is fp8 (one-byte elements), another key.
+    b is killed during update 25 and restarted: a full update, then deltas again. c is
+    killed between updates 39 and 40 and restarted before the trainer notices: its new
+    table alone must make update 40 a full one for it."""
+    dtypes = {"a": "bfloat16", "b": "bfloat16", "c": "float8_e4m3fn"}
+    with engines() as group:
+        for engine, dtype in dtypes.items():
+            group.start(engine, dtype=dtype)
+        model = small_model(0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        full_size = sum(p.numel() * 2 for p in model.parameters())  # bytes of a bf16 engine's full update
+        with session_for(group, model) as session:
+            session.connect(list(dtypes))
+            for step in range(50):
+                train_step(model, optimizer, step)
+                session.check = step % 2 == 1  # every other update also runs the digest check
+                if step == 40:
+                    group.kill("c")
+                    restart(group, "c", "float8_e4m3fn")
+                    session.connect(list(dtypes))
+
+                def kill_b(done: int, total: int, step: int = step) -> None:
+                    if step == 25 and done == 1:
+                        group.kill("b")
+
+                report = session.update(f"v{step}", progress=kill_b)
+                if step == 25:
+                    assert report.stale == ["b"], report.format()
+                    restart(group, "b", "bfloat16")
+                    session.connect(list(dtypes))
+                else:
+                    assert report.ok, report.format()
+                live = {e: d for e, d in dtypes.items() if not (step == 25 and e == "b")}
+                assert_bit_exact(session, model, live, step)
+
+                delta = {e for e, r in report.engines.items() if r.delta_ranks == [0]}
+                if step == 0:
+                    assert delta == set()  # nothing held yet: full updates seed the baselines
+                elif step == 26:
+                    assert delta == {"a", "c"}, report.format()  # b restarted: full, and re-seeded
+                elif step == 40:
+                    assert delta == {"a", "b"}, report.format()  # c restarted: full
+                else:
+                    assert delta == set(dtypes), report.format()
+                    assert report.engines["a"].bytes < full_size / 2, report.format()
+                assert 0 < report.delta_memory_bytes
+
+
+def test_full_every_full_true_and_a_failed_check_send_full_updates():
+    with engines() as group:
+        group.start("a", dtype="bfloat16")
+        model = small_model(0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        with session_for(group, model, delta={"full_every": 3}, check=True) as session:
+            session.connect(["a"])
+            modes = []
+            for step in range(8):
+                train_step(model, optimizer, step)
+                if step == 4:
+                    # the engine's bytes change behind the trainer's back: the delta check must catch it
+                    name = next(iter(dict(model.named_parameters())))
+                    post(session.tables["a"][0].control_url, "poke", {"name": name}, token=session.token, timeout=10)
+                report = session.update(f"v{step}", full=step == 6)
+                modes.append("delta" if report.engines["a"].delta_ranks else "full")
+                if step == 4:
+                    assert report.stale == ["a"] and "digest mismatch" in report.engines["a"].error
+                else:
+                    assert report.ok, report.format()
+                    assert_bit_exact(session, model, {"a": "bfloat16"}, step)
+            # 0, 3, 6: full_every=3 and full=True; 5: after the failed check
+            assert modes == ["full", "delta", "delta", "full", "delta", "full", "full", "delta"]
+
+
+def test_a_baseline_budget_too_small_sends_full_updates():
+    with engines() as group:
+        group.start("a", dtype="bfloat16")
+        model = small_model(0)
+        with session_for(group, model, delta={"memory_bytes": 1024}, check=True) as session:
+            session.connect(["a"])
+            for step in range(2):
+                report = session.update(f"v{step}")
+                assert report.ok and report.engines["a"].delta_ranks == []
+            assert session.delta_bytes == session._delta.buffer_bytes  # no baseline held
+
+
+@pytest.mark.parametrize("transport", ["samehost", "torchdist", "nixl"])
+def test_delta_over_each_transport(transport):
+    """Patches reach the engine's patch area over every transport (Mooncake: above)."""
+    if transport == "nixl":
+        pytest.importorskip("nixl_cu12", reason="NIXL (p2psync[nixl]) is not installed")
+    with engines(transport=transport) as group:
+        group.start("a", dtype="bfloat16")
+        model = small_model(0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        with session_for(group, model, check=True) as session:
+            session.connect(["a"])
+            for step in range(3):
+                train_step(model, optimizer, step)
+                report = session.update(f"v{step}")
+                assert report.ok, report.format()
+                assert report.engines["a"].delta_ranks == ([0] if step else [])
+                assert_bit_exact(session, model, {"a": "bfloat16"}, step)
