@@ -10,8 +10,11 @@ import torch
 from p2psync.core.baseline import BaselineStore
 from p2psync.core.delta import (
     PatchRecord,
+    _diff_device,
+    _diff_host,
     cheapest,
     diff,
+    elements,
     pack_bits,
     piece,
     record_bytes,
@@ -62,6 +65,18 @@ def test_patch_applied_to_old_bytes_gives_the_new_bytes(elem, fraction):
     record = stage(change, area.tensor, "w", 0, elem)
     assert area.apply({"w": held}, [record.to_wire()]) == change.changed
     assert torch.equal(as_bytes(held), as_bytes(new))
+
+
+@pytest.mark.parametrize("elem", [1, 2, 8])
+@pytest.mark.parametrize("fraction", [0.001, 0.2])
+def test_the_device_path_encodes_as_the_host_path(elem, fraction):
+    """`_diff_device` (the GPU's torch ops) run on CPU tensors gives the host path's bytes."""
+    old = torch.randn(3001).to(DTYPES[elem])
+    new = changed_copy(old, fraction, seed=7)
+    a, b = (elements(as_bytes(t), elem) for t in (new, old))
+    host, device = _diff_host(a, b, elem), _diff_device(a, b, elem)
+    assert (host.kind, host.count, host.changed) == (device.kind, device.count, device.changed)
+    assert torch.equal(host.meta, device.meta) and torch.equal(host.values, device.values)
 
 
 def test_nan_and_signed_zero_compare_as_bits():
