@@ -96,7 +96,9 @@ class DeltaSender:
     ) -> None:
         self.options = options
         self.device = device
-        self.store = BaselineStore(options.memory_bytes, pin_memory=pin_memory or device != "cpu")
+        self.pin_memory = pin_memory  # the patch buffers', like the transfer buffers'
+        # Baselines are copied to the device to be compared only where the buffers live there.
+        self.store = BaselineStore(options.memory_bytes, pin_memory=device != "cpu")
         self.acquire_timeout = acquire_timeout
         self.on_stall = on_stall
         self.stats = DeltaStats()
@@ -122,7 +124,7 @@ class DeltaSender:
             return None
         if current is not None and current.nbytes == capacity:
             return current
-        return BufferPool(capacity, transport, device=self.device, pin_memory=self.store.pin_memory)
+        return BufferPool(capacity, transport, device=self.device, pin_memory=self.pin_memory)
 
     def connect(self, tables: Mapping[str, Sequence[TargetTable]], served: Served, pool: BufferPool | None) -> None:
         """Every engine's tables, per unit this rank serves its tables and groups in
