@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2psync.core.buffers import BufferPool, Lease
-from p2psync.core.errors import TransferError, TransferTimeout
+from p2psync.core.errors import ControlError, TransferError, TransferTimeout
 from p2psync.core.transport import Peer, Transport, WriteBatch
 from p2psync.core.types import TargetId, TargetTable
 from p2psync.core.writer import EngineWriter, WriteJob
@@ -670,3 +670,37 @@ def test_wait_returns_at_once_when_nothing_was_submitted(writers: list[EngineWri
     drain(writer)
     assert time.monotonic() - start < 0.5
     assert writer.progress.error is None and writer.progress.bytes == 0
+
+
+def test_after_runs_once_the_bytes_landed_and_before_the_next_job(
+    transport: MemoryTransport, writers: list[EngineWriter]
+) -> None:
+    """A delta patch's apply call (`WriteJob.after`) sees its bytes landed, runs before
+    the engine's next write, and when it fails, fails the engine and drops what follows."""
+    pool = BufferPool(64, transport)
+    engine = Engine(transport, 64, fill=0)
+    writer = new_writer(writers, "engine-a")
+    writer.start_update()
+    seen: list[bytes] = []
+
+    def apply(step: int) -> None:
+        seen.append(engine.memory.numpy().tobytes())
+        if step == 1:
+            raise ControlError("engine 'engine-a' rank 0: patch answered 500")
+
+    leases = []
+    for step in range(3):
+        lease = pool.acquire(1.0)
+        leases.append(fill_random(lease, seed=step))
+        job = WriteJob(TargetId("engine-a", 0), MemoryPeer(transport), whole(lease, engine, 64), lease)
+        job.after = lambda step=step: apply(step)
+        writer.submit(job)
+        lease.release()
+        if step == 0:
+            drain(writer)
+    drain(writer)
+    assert seen == [leases[0].numpy().tobytes(), leases[1].numpy().tobytes()]  # each after its own write
+    assert writer.progress.error == "engine 'engine-a' rank 0: patch answered 500"
+    assert writer.progress.bytes == 64  # the failed apply's write does not count as delivered
+    assert torch.equal(engine.memory, leases[1])  # the third job was dropped
+    assert is_free(pool)

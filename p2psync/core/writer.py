@@ -156,7 +156,7 @@ class EngineWriter:
             log.exception("write to %s raised", job.target)
             self.fail(f"{where(job.target.engine_id, job.target.rank)}: {type(exc).__name__}: {exc}")
             return
-        if job.after is not None:
+        if job.after is not None and self.progress.error is None:  # an abandoned engine's buffer may be reused
             try:
                 job.after()
             except P2PSyncError as exc:  # a failed apply fails this engine: its weights may be half patched
