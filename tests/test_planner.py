@@ -233,3 +233,35 @@ def test_sglang_meta_shapes_equal_analytic() -> None:
                 got = Counter((p.name, p.shape, p.dtype) for p in real.ranks[rank].parts.get(part, []))
                 want = Counter((p.name, p.shape, p.dtype) for p in analytic.ranks[rank].parts.get(part, []))
                 assert got == want, (kind, tp, ep, rank, part)
+
+
+def test_delta_wire_fraction_by_hand() -> None:
+    """The encoding's sizes: 2-byte elements send 6 bytes per changed one as indices (3x the
+    fraction), or a bit per element plus 2 bytes per changed one (1/16 + the fraction)."""
+    from p2psync.planner.delta import wire_fraction
+
+    assert wire_fraction(0.0, 2) == (0.0, "nothing")
+    fraction, kind = wire_fraction(0.01, 2)
+    assert kind == "index" and fraction == pytest.approx(0.03, rel=1e-3)
+    fraction, kind = wire_fraction(0.05, 2)
+    assert kind == "bitmap" and fraction == pytest.approx(1 / 16 + 0.05, rel=1e-3)
+    assert wire_fraction(0.99, 2) == (1.0, "dense")
+    assert wire_fraction(0.01, 1)[0] == pytest.approx(0.05, rel=1e-3)  # fp8: 5 bytes per changed 1-byte element
+    with pytest.raises(ValueError, match="changed fraction"):
+        wire_fraction(1.5, 2)
+
+
+def test_cli_delta_fraction_adds_the_delta_way(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--preset", "Qwen3-30B-A3B", "--nodes", "2", "--train-tp", "4", "--train-ep", "8",
+            "--engine-tp", "8", "--engine-ep", "8", "--shapes", "analytic", "--json"]
+    assert main([*args, "--delta-fraction", "0.01", "--delta-compare-gbytes", "100"]) == 0
+    ways = json.loads(capsys.readouterr().out)["update"]["ways"]
+    full, delta = ways["p2psync"], ways["p2psync-delta"]
+    assert delta["wire_s"] == pytest.approx(full["wire_s"] * delta["wire_fraction"])
+    assert delta["wire_fraction"] == pytest.approx(0.03, rel=1e-3) and delta["gathers_s"] == full["gathers_s"]
+    assert delta["compare_s"] > 0 and delta["apply_s"] > 0
+    assert delta["total_s"] == pytest.approx(
+        delta["pause_s"] + delta["finish_s"] + delta["post_load_s"] + delta["apply_s"]
+        + max(delta["gathers_s"], delta["production_s"] + delta["compare_s"], delta["wire_s"]))
+    assert main(args[:-1] + ["--delta-fraction", "0.01"]) == 0
+    assert "p2psync-delta" in capsys.readouterr().out

@@ -51,6 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--finish-s", type=float, default=0.05, help="engine finish: cache flush, resume (default 0.05 s)")
     c.add_argument("--post-load-gbytes", type=float,
                    help="engine post-load GB/s per rank (default: fp8 37.8, from Kimi-K2's published 884 ms; bf16 none)")
+    d = p.add_argument_group("delta updates (p2psync's delta mode as a further way)")
+    d.add_argument("--delta-fraction", type=float, metavar="F",
+                   help="fraction of the engines' elements that change per update (e.g. 0.01)")
+    d.add_argument("--delta-compare-gbytes", type=float, default=300.0,
+                   help="GB/s per sender of comparing with the baseline (default 300: in GPU memory)")
     p.add_argument("--shapes", choices=("auto", "sglang", "analytic"), default="auto",
                    help="auto: sglang's own model on meta when sglang imports (bf16), else the analytic model")
     p.add_argument("--broadcast", choices=("ring", "star"), default="ring", help="broadcast path model (default ring)")
@@ -69,6 +74,14 @@ def _costs(args: argparse.Namespace) -> Any:
 
     return Costs(produce_gbytes=args.produce_gbytes, pause_s=args.pause_s, finish_s=args.finish_s,
                  post_load_gbytes=args.post_load_gbytes)
+
+
+def _delta(args: argparse.Namespace) -> Any:
+    from .delta import DeltaCosts
+
+    if args.delta_fraction is None:
+        return None
+    return DeltaCosts(args.delta_fraction, args.delta_compare_gbytes)
 
 
 def cluster_from(args: argparse.Namespace) -> Any:
@@ -122,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             print("p2psync plan: give --preset, --config or --setup (or --compare-miles)", file=sys.stderr)
             return 2
-        d = plan_dict(cfg, model, cluster, args.shapes, args.broadcast, _costs(args))
+        d = plan_dict(cfg, model, cluster, args.shapes, args.broadcast, _costs(args), _delta(args))
         if published is not None:
             d["published"] = [dict(way=p.way, low_s=p.low_s, high_s=p.high_s, system=p.system)
                               for p in published.published]

@@ -19,6 +19,7 @@ The model, printed with every result:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from ..core.delta import cheapest, record_bytes
@@ -27,6 +28,18 @@ from ..core.delta import cheapest, record_bytes
 ELEMENT_BYTES = {"bf16": 2, "fp8": 1}
 #: Elements per modelled region (a large parameter chunk; small ones barely change the ratio).
 REGION_ELEMENTS = 1 << 20
+
+
+
+@dataclass(frozen=True)
+class DeltaCosts:
+    """`changed_fraction` of the engines' elements change per update; senders compare at
+    `compare_gbytes` per GPU (default: an assumption for the device path, memory-bound
+    on an H100's HBM; host buffers compare at a few GB/s per core)."""
+
+    changed_fraction: float
+    compare_gbytes: float = 300.0
+
 
 MODEL = (
     "delta: each engine rank receives {wire:.2%} of its full bytes ({kind}, {fraction:.2%} of elements changed, "

@@ -113,15 +113,23 @@ def _update_lines(d: dict[str, Any]) -> list[str]:
     lines = [
         "",
         "  predicted whole update (a prediction, not a measurement), seconds:",
-        f"    {'way':<12} {'gathers':>8} {'production':>11} {'wire':>8} {'pause':>6} {'finish':>7} {'post-load':>10} "
+        f"    {'way':<13} {'gathers':>7} {'production':>11} {'wire':>8} {'pause':>6} {'finish':>7} {'post-load':>10} "
         f"{'total':>8}",
     ]
     for name, w in u["ways"].items():
+        production = w["production_s"] + w.get("compare_s", 0.0)
+        post_load = w["post_load_s"] + w.get("apply_s", 0.0)
         lines.append(
-            f"    {name:<12} {w['gathers_s']:>8.3f} {w['production_s']:>11.3f} {w['wire_s']:>8.3f} {w['pause_s']:>6.2f} "
-            f"{w['finish_s']:>7.2f} {w['post_load_s']:>10.3f} {w['total_s']:>8.3f}"
+            f"    {name:<13} {w['gathers_s']:>7.3f} {production:>11.3f} {w['wire_s']:>8.3f} {w['pause_s']:>6.2f} "
+            f"{w['finish_s']:>7.2f} {post_load:>10.3f} {w['total_s']:>8.3f}"
         )
     lines.append(f"  whole-update model: {u['model']}")
+    delta = u["ways"].get("p2psync-delta")
+    if delta is not None:
+        lines.append(
+            f"  p2psync-delta: production includes {delta['compare_s']:.3f} s of comparing with baselines; "
+            f"post-load includes {delta['apply_s']:.3f} s of applying patches; {delta['model']}"
+        )
     for p in d.get("published", []):
         low, high = p["low_s"], p["high_s"]
         when = f"{low:g}" if low == high else f"{low:g}-{high:g}"
