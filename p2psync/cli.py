@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -58,24 +59,42 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import json
-
-    from .bench import BenchOptions, format_report, run_bench, save
+    from .bench import BenchOptions, format_report, run_bench
 
     opts = BenchOptions(
         size=args.size or ("100m" if args.engine == "torch" else "moe"), trainers=args.trainers, engines=args.engines,
         updates=args.updates, warmup=args.warmup, transport=args.transport, raw_bytes=args.raw_mib << 20,
-        engine=args.engine, engine_tp=args.engine_tp, ways=tuple(args.ways or ()),
+        engine=args.engine, engine_tp=args.engine_tp, ways=tuple(args.ways or ()), engine_dtype=args.engine_dtype,
+        delta_lrs=tuple(args.lr),
     )
+    if args.delta:
+        from .bench.delta import format_delta, run_delta_bench
+
+        return _run_bench(args, lambda: run_delta_bench(opts), format_delta, "delta", lambda r: r["verified"])
+    return _run_bench(
+        args, lambda: run_bench(opts), format_report, "", lambda r: all(w["verified"] for w in r["ways"].values())
+    )
+
+
+def _run_bench(
+    args: argparse.Namespace, run: Callable[[], dict[str, Any]], text: Callable[[dict[str, Any]], str], folder: str,
+    verified: Callable[[dict[str, Any]], bool],
+) -> int:
+    """Run a bench, print it (`text`, or JSON), save it into `--save`'s `folder`; 1 if it did not verify."""
+    import json
+    from pathlib import Path
+
+    from .bench import save
+
     try:
-        result = run_bench(opts)
+        result = run()
     except ValueError as exc:
         print(f"p2psync bench: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    print(json.dumps(result, indent=2) if args.json else text(result))
     if args.save:
-        print(f"saved to {save(result, args.save)}", file=sys.stderr)
-    return 0 if all(way["verified"] for way in result["ways"].values()) else 1
+        print(f"saved to {save(result, Path(args.save) / folder)}", file=sys.stderr)
+    return 0 if verified(result) else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -116,6 +135,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--ways", nargs="+", choices=WAYS,
                        help="the ways to compare (default: every way the engines offer)")
     bench.add_argument("--transport", default="mooncake")
+    bench.add_argument("--engine-dtype", help="torch engines' parameter dtype (default: the trainer's float32; "
+                       "--delta: bfloat16)")
+    bench.add_argument("--delta", action="store_true",
+                       help="delta updates against full ones and the broadcast, the trainer taking AdamW steps "
+                       "(torch engines)")
+    bench.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5],
+                       help="--delta: the learning rates, each run in turn (default 1e-6 1e-5)")
     bench.add_argument("--raw-mib", type=int, default=512, help="size of the memcpy and raw transport measurements")
     bench.add_argument("--json", action="store_true", help="print the result as JSON")
     bench.add_argument("--save", nargs="?", const="benchmarks/results", metavar="DIR",

@@ -165,3 +165,26 @@ def test_benchmarks_readme_tables_are_generated_from_the_saved_results():
     done = subprocess.run([sys.executable, str(root / "benchmarks" / "tables.py"), "--check"], capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_bench_delta_sends_fewer_bytes_and_ends_bit_exact(capsys, tmp_path):
+    """--delta: the trainer takes AdamW steps; delta updates send each bf16 engine rank fewer
+    bytes than a full update, more at the larger learning rate, and a checked delta update
+    leaves every parameter equal to a full update's. --save keeps it apart from the tables'
+    results (a delta/ folder)."""
+    args = ["bench", "--delta", "--size", "tiny", "--updates", "2", "--lr", "1e-6", "1e-4", "--json",
+            "--save", str(tmp_path)]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["verified"] and result["setup"]["engine"]["dtype"] == "bfloat16"
+    low, high = result["per_lr"]["1e-06"], result["per_lr"]["0.0001"]
+    for r in (low, high):
+        assert r["delta_updates"] == [2, 2]  # both engines' ranks took deltas in every timed update
+        full = r["bytes_per_engine_rank"]["full"]
+        assert set(full.values()) == {2 * result["setup"]["model"]["parameters"]}  # bf16: 2 bytes per element
+        assert 0 < r["changed_fraction"] < 1 and set(r["seconds"]) == {"p2p-delta", "p2p", "broadcast"}
+    assert low["changed_fraction"] < high["changed_fraction"]
+    assert low["full_over_delta_bytes"] > high["full_over_delta_bytes"] > 1
+    assert all(m["delta_bytes"] > 0 for m in result["trainer_memory"].values())
+    assert len(list((tmp_path / "delta").glob("*-torch-tiny.json"))) == 1

@@ -56,7 +56,8 @@ def test_patch_applied_to_old_bytes_gives_the_new_bytes(elem, fraction):
     old = torch.randn(4099).to(DTYPES[elem])
     new = changed_copy(old, fraction, seed=elem)
     change = diff(as_bytes(new), as_bytes(old), elem)
-    assert change is not None and change.changed == int((as_bytes(new).view(-1, elem) != as_bytes(old).view(-1, elem)).any(1).sum())
+    differ = (as_bytes(new).view(-1, elem) != as_bytes(old).view(-1, elem)).any(1)
+    assert change is not None and change.changed == int(differ.sum())
     held = old.clone()  # what the engine holds
     if change.kind == "dense":
         assert fraction >= 0.2  # dense only where many changed

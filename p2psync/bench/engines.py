@@ -10,6 +10,7 @@ own loader slices.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ from .broadcast import Load
 if TYPE_CHECKING:
     import torch
 
+    from ..conformance.harness import WorldOptions
     from ..core.endpoint import EngineEndpoint
     from ..core.rendezvous import Rendezvous
     from .runner import BenchOptions
@@ -62,9 +64,17 @@ def member(opts: BenchOptions, index: int) -> tuple[str, int]:
     return engine_ids(opts)[index // tp(opts)], index % tp(opts)
 
 
-def engine_dtype(kind: str) -> str | None:
+def engine_dtype(opts: BenchOptions) -> str | None:
     """The engines' parameter dtype where it is not the trainer's (None: the trainer's)."""
-    return None if kind == "torch" else MOE_ENGINE_DTYPE
+    return opts.engine_dtype if opts.engine == "torch" else MOE_ENGINE_DTYPE
+
+
+def torch_world(opts: BenchOptions) -> WorldOptions:
+    """The demo's world of torch engines, holding `opts.engine_dtype` where it is given."""
+    from ..demo import world_options
+
+    world = world_options(opts)
+    return world if opts.engine_dtype is None else dataclasses.replace(world, engine_dtype=opts.engine_dtype)
 
 
 def version(kind: str) -> str | None:
@@ -86,9 +96,8 @@ def start_rank(index: int, opts: BenchOptions, port: int) -> EngineRank:
 
     if opts.engine == "torch":
         from ..conformance.harness import start_engine
-        from ..demo import world_options
 
-        endpoint = start_engine(index, world_options(opts), port).endpoint
+        endpoint = start_engine(index, torch_world(opts), port).endpoint
         assert endpoint is not None
         params = endpoint.params
 
@@ -120,10 +129,9 @@ def start_trainer(rank: int, opts: BenchOptions, port: int) -> tuple[Rendezvous,
     """Join the trainer world; return the rendezvous and the FSDP2 source of the model."""
     from ..adapters.fsdp2 import FSDP2Source
     from ..conformance.harness import join_trainer_world, start_fsdp2
-    from ..demo import world_options
 
     if opts.engine == "torch":
-        rendezvous, module = start_fsdp2(rank, world_options(opts), port)
+        rendezvous, module = start_fsdp2(rank, torch_world(opts), port)
         return rendezvous, FSDP2Source(module)
     from . import model
 

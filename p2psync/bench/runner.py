@@ -41,6 +41,10 @@ class BenchOptions(DemoOptions):
     warmup: int = 1
     raw_bytes: int = 512 << 20
     check: bool = False
+    #: The torch engines' parameter dtype (e.g. "bfloat16"); None: the trainer's float32.
+    engine_dtype: str | None = None
+    #: `--delta`: the learning rates whose AdamW steps the delta bench takes (see `delta`).
+    delta_lrs: tuple[float, ...] = (1e-6, 1e-5)
     job_id: str = field(default_factory=lambda: f"bench-{os.getpid()}-{int(time.time())}")
 
 
@@ -51,7 +55,7 @@ GROUP_TIMEOUT = 600.0
 
 def ways_for(opts: BenchOptions) -> list[str]:
     """The ways this run compares: those asked for, or every way the engines offer."""
-    offered = [w for w in WAYS if w != "broadcast-fp32" or engines.engine_dtype(opts.engine) is not None]
+    offered = [w for w in WAYS if w != "broadcast-fp32" or engines.engine_dtype(opts) is not None]
     unknown = [w for w in opts.ways if w not in offered]
     if unknown:
         raise ValueError(f"{opts.engine} engines offer the ways {offered}, not {unknown}")
@@ -140,7 +144,7 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
         )
         gather_free.connect(ids)
     buckets = session.buckets  # the broadcast gathers the same buckets: only the way of sending differs
-    dtype = engines.engine_dtype(opts.engine)
+    dtype = engines.engine_dtype(opts)
     members = opts.engines * engines.tp(opts)
     specs = {s.name: s for s in source.param_specs()}
     leader = broadcast.Leader(rendezvous, specs, buckets, dtype, members, GROUP_TIMEOUT) if rank == 0 else None
@@ -219,7 +223,7 @@ def _setup(opts: BenchOptions, specs: list[ParamSpec], transport: dict[str, Any]
         "trainers": opts.trainers,
         "engines": opts.engines,
         "engine": {
-            "kind": opts.engine, "tp": engines.tp(opts), "dtype": engines.engine_dtype(opts.engine) or "trainer's",
+            "kind": opts.engine, "tp": engines.tp(opts), "dtype": engines.engine_dtype(opts) or "trainer's",
         },
         "transport": transport,
         "updates": opts.updates,

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from . import collectives
 from .baseline import BaselineStore
 from .buffers import BufferPool, Lease
-from .delta import MAX_RECORD_ELEMENTS, Change, PatchRecord, diff, element_size_for, piece, record_bytes
+from .delta import MAX_RECORD_ELEMENTS, Change, Kind, PatchRecord, diff, element_size_for, piece, record_bytes
 from .layout import ParamGroup
 from .types import Region, TargetId, TargetTable, dtype_size
 
@@ -73,7 +73,6 @@ class DeltaStats:
     """What delta mode did in one update on one sender."""
 
     targets: list[TargetId] = field(default_factory=list)
-    patch_bytes: int = 0
     changed: int = 0
     compared: int = 0
 
@@ -167,7 +166,9 @@ class DeltaSender:
     def is_delta(self, target: TargetId) -> bool:
         return target in self._delta
 
-    def diff(self, unit: str, group: ParamGroup, out: torch.Tensor, written: Sequence[Region], offset: int) -> list[Region]:
+    def diff(
+        self, unit: str, group: ParamGroup, out: torch.Tensor, written: Sequence[Region], offset: int
+    ) -> list[Region]:
         """Compare `group`'s bytes in `out` (regions `written`, whose buffer offsets are
         `offset` past `out`'s start) with the baseline, stage the sparse chunks and
         return the dense ones, for the unit's delta targets; then re-seed the baseline."""
@@ -204,7 +205,8 @@ class DeltaSender:
 
     def _stage(self, unit: str, param: str, param_offset: int, elem: int, change: Change) -> None:
         assert self._pool is not None and change.meta is not None and change.values is not None
-        size = record_bytes(change.kind, change.count, change.changed, elem)  # type: ignore[arg-type]
+        kind: Kind = change.kind  # type: ignore[assignment]  # sparse: diff gave it pieces
+        size = record_bytes(kind, change.count, change.changed, elem)
         if self._open is not None and (self._open.unit != unit or self._open.nbytes + size > self._pool.nbytes):
             self.flush()
         if self._open is None:
@@ -215,10 +217,9 @@ class DeltaSender:
         buffer[meta_at : meta_at + change.meta.numel()].copy_(change.meta)
         buffer[values_at : values_at + change.values.numel()].copy_(change.values)
         patch.records.append(
-            PatchRecord(param, param_offset, elem, change.count, change.changed, change.kind, meta_at, values_at)  # type: ignore[arg-type]
+            PatchRecord(param, param_offset, elem, change.count, change.changed, kind, meta_at, values_at)
         )
         patch.nbytes += size
-        self.stats.patch_bytes += size
 
     def flush(self) -> None:
         """Close the patch being staged; it joins those `ready` hands out."""

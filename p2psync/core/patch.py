@@ -89,7 +89,8 @@ class PatchArea:
             raise ValueError(f"patch record for parameter {record.param!r}: {'; '.join(problems)}")
 
     def _meta(self, record: PatchRecord) -> torch.Tensor:
-        return self.tensor[record.meta_offset : record.meta_offset + meta_bytes(record.kind, record.count, record.changed)]
+        start = record.meta_offset
+        return self.tensor[start : start + meta_bytes(record.kind, record.count, record.changed)]
 
     def _check_contents(self, records: Sequence[PatchRecord]) -> None:
         """A bitmap must have exactly `changed` bits set (none past `count`), indices must
