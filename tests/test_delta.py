@@ -15,6 +15,7 @@ from p2psync.core.delta import (
     cheapest,
     diff,
     elements,
+    meta_bytes,
     pack_bits,
     piece,
     record_bytes,
@@ -23,7 +24,7 @@ from p2psync.core.delta import (
 from p2psync.core.delta_send import DeltaOptions, parse_delta
 from p2psync.core.errors import OptionsError
 from p2psync.core.layout import ParamGroup
-from p2psync.core.patch import PatchArea
+from p2psync.core.patch import PatchArea, _scatter_device, _scatter_host
 
 DTYPES = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 
@@ -78,6 +79,22 @@ def test_the_device_path_encodes_as_the_host_path(elem, fraction):
     host, device = _diff_host(a, b, elem), _diff_device(a, b, elem)
     assert (host.kind, host.count, host.changed) == (device.kind, device.count, device.changed)
     assert torch.equal(host.meta, device.meta) and torch.equal(host.values, device.values)
+
+
+@pytest.mark.parametrize("fraction", [0.002, 0.2])
+def test_the_device_scatter_patches_as_the_host_scatter(fraction):
+    """`_scatter_device` (the GPU's kernels) run on CPU tensors leaves the host path's bytes."""
+    old = torch.randn(5003).to(torch.bfloat16)
+    new = changed_copy(old, fraction, seed=11)
+    change = diff(as_bytes(new), as_bytes(old), 2)
+    area = torch.zeros(1 << 16, dtype=torch.uint8)
+    record = stage(change, area, "w", 0, 2)
+    meta = area[record.meta_offset : record.meta_offset + meta_bytes(record.kind, record.count, record.changed)]
+    values = elements(area[record.values_offset : record.values_offset + 2 * record.changed], 2)
+    on_device, on_host = (elements(as_bytes(old.clone()), 2) for _ in range(2))
+    _scatter_device(on_device, record, meta, values)
+    _scatter_host(on_host.numpy(), record, meta.numpy(), values.numpy())
+    assert torch.equal(on_device, on_host) and torch.equal(on_host, elements(as_bytes(new), 2))
 
 
 def test_nan_and_signed_zero_compare_as_bits():

@@ -62,6 +62,7 @@ def _measure(way: Way, progress: Callable[[], object]) -> dict[str, Any]:
         out["delta_ranks"] = sum(len(er.delta_ranks) for er in report.engines.values())
         out["changed"], out["compared"] = report.changed_elements, report.compared_elements
         out["delta_memory_bytes"] = report.delta_memory_bytes
+        out["phases"] = way.phase_seconds
     return out
 
 
@@ -159,6 +160,9 @@ def summarize(raw: Mapping[str, Any], opts: BenchOptions, load: tuple[list[float
             "full_over_delta_seconds": seconds["p2p"] / seconds["p2p-delta"],
             "broadcast_over_delta_seconds": seconds["broadcast"] / seconds["p2p-delta"],
             "peak_added_bytes": {name: max(r["added_bytes"] for r in rs) for name, rs in rounds.items()},
+            "trainer0_phases": {
+                name: _median_phases([r["phases"] for r in rounds[name]]) for name in ("p2p-delta", "p2p")
+            },
         }
     return {
         "setup": {
@@ -173,6 +177,10 @@ def summarize(raw: Mapping[str, Any], opts: BenchOptions, load: tuple[list[float
         "trainer_memory": {f"trainer-{r}": m for r, m in enumerate(raw["trainer_memory"])},
         "load_average": {"before": load[0], "after": load[1]},
     }
+
+
+def _median_phases(updates: list[dict[str, float]]) -> dict[str, float]:
+    return {p: statistics.median(u.get(p, 0.0) for u in updates) for p in sorted({p for u in updates for p in u})}
 
 
 def run_delta_bench(opts: BenchOptions) -> dict[str, Any]:
@@ -214,6 +222,10 @@ def format_delta(result: Mapping[str, Any]) -> str:
             f"    s/update: p2p-delta {secs['p2p-delta']:.3f}, p2p full {secs['p2p']:.3f}, broadcast "
             f"{secs['broadcast']:.3f}; full / delta {r['full_over_delta_seconds']:.2f}x, broadcast / delta "
             f"{r['broadcast_over_delta_seconds']:.2f}x",
+            *(
+                f"    {name} on trainer-0, s: " + ", ".join(f"{p} {t:.3f}" for p, t in phases.items() if t >= 0.0005)
+                for name, phases in r["trainer0_phases"].items()
+            ),
         ]
     for trainer, m in result["trainer_memory"].items():
         lines.append(

@@ -157,13 +157,13 @@ def _diff_host(a: torch.Tensor, b: torch.Tensor, elem_size: int) -> Change | Non
     import torch
 
     mask = a.numpy() != b.numpy()
-    changed = int(np.count_nonzero(mask))
+    where = np.flatnonzero(mask)
+    changed = where.size
     if changed == 0:
         return None
     kind = cheapest(mask.size, changed, elem_size)
     if kind == "dense":
         return Change("dense", mask.size, changed)
-    where = np.flatnonzero(mask)
     values = torch.from_numpy(a.numpy()[where]).view(torch.uint8)
     meta = np.packbits(mask, bitorder="little") if kind == "bitmap" else where.astype(np.int32).view(np.uint8)
     return Change(kind, mask.size, changed, torch.from_numpy(meta), values)
