@@ -21,7 +21,7 @@ that the engine can view them in place as int32 indices and as elements.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -117,13 +117,15 @@ class PatchRecord:
 @dataclass
 class Change:
     """How one region goes out: `kind` dense, or a sparse form with its two pieces as
-    uint8 tensors (`meta`: bitmap or int32 indices; `values`: the changed elements)."""
+    uint8 tensors (`meta`: bitmap or int32 indices; `values`: the changed elements) and
+    `where` the changed elements' indices (int64, on the compared memory's side)."""
 
     kind: Kind | Literal["dense"]
     count: int
     changed: int
     meta: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    where: Any = None
 
 
 def element_size_for(elem_size: int, *offsets: int) -> int:
@@ -166,7 +168,7 @@ def _diff_host(a: torch.Tensor, b: torch.Tensor, elem_size: int) -> Change | Non
         return Change("dense", mask.size, changed)
     values = torch.from_numpy(a.numpy()[where]).view(torch.uint8)
     meta = np.packbits(mask, bitorder="little") if kind == "bitmap" else where.astype(np.int32).view(np.uint8)
-    return Change(kind, mask.size, changed, torch.from_numpy(meta), values)
+    return Change(kind, mask.size, changed, torch.from_numpy(meta), values, where)
 
 
 def _diff_device(a: torch.Tensor, b: torch.Tensor, elem_size: int) -> Change | None:
@@ -183,7 +185,7 @@ def _diff_device(a: torch.Tensor, b: torch.Tensor, elem_size: int) -> Change | N
     where = mask.nonzero().view(-1)
     values = a[where].view(torch.uint8)
     meta = pack_bits(mask) if kind == "bitmap" else where.to(torch.int32).view(torch.uint8)
-    return Change(kind, mask.numel(), changed, meta, values)
+    return Change(kind, mask.numel(), changed, meta, values, where)
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:

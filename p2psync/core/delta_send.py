@@ -27,7 +27,17 @@ from typing import TYPE_CHECKING
 from . import collectives
 from .baseline import BaselineStore
 from .buffers import BufferPool, Lease
-from .delta import MAX_RECORD_ELEMENTS, Change, Kind, PatchRecord, diff, element_size_for, piece, record_bytes
+from .delta import (
+    MAX_RECORD_ELEMENTS,
+    Change,
+    Kind,
+    PatchRecord,
+    diff,
+    element_size_for,
+    elements,
+    piece,
+    record_bytes,
+)
 from .layout import ParamGroup
 from .types import Region, TargetId, TargetTable, dtype_size
 
@@ -171,30 +181,38 @@ class DeltaSender:
     ) -> list[Region]:
         """Compare `group`'s bytes in `out` (regions `written`, whose buffer offsets are
         `offset` past `out`'s start) with the baseline, stage the sparse chunks and
-        return the dense ones, for the unit's delta targets; then re-seed the baseline."""
+        return the dense ones, for the unit's delta targets; re-seed the baseline. In host
+        memory only what changed is written back into it; a device compares a copy of it,
+        and the baseline then takes the group's bytes whole."""
         base = self.store.slot(unit, group)
         if base is None:
             return list(written)
+        if not any(t.target in self._delta for t in self._served[unit]):
+            base.copy_(out[: group.nbytes])
+            return []
         dense: list[Region] = []
-        if any(t.target in self._delta for t in self._served[unit]):
-            old_all = base.to(out.device, non_blocking=True)
-            for r in written:
-                start = r.buffer_offset - offset
-                elem = element_size_for(self._elem[unit][r.param], r.param_offset, r.nbytes, start)
-                step = self._chunk_bytes(elem)
-                for done in range(0, r.nbytes, step):
-                    n = min(step, r.nbytes - done)
-                    a = start + done
-                    change = diff(out[a : a + n], old_all[a : a + n], elem)
-                    self.stats.compared += n // elem
-                    if change is None:
-                        continue
-                    self.stats.changed += change.changed
-                    if change.kind == "dense":
-                        dense.append(Region(r.param, r.param_offset + done, r.buffer_offset + done, n))
-                    else:
-                        self._stage(unit, r.param, r.param_offset + done, elem, change)
-        base.copy_(out[: group.nbytes])
+        on_host = out.device.type == "cpu"
+        old_all = base if on_host else base.to(out.device, non_blocking=True)
+        for r in written:
+            start = r.buffer_offset - offset
+            elem = element_size_for(self._elem[unit][r.param], r.param_offset, r.nbytes, start)
+            step = self._chunk_bytes(elem)
+            for done in range(0, r.nbytes, step):
+                n = min(step, r.nbytes - done)
+                new, old = out[start + done : start + done + n], old_all[start + done : start + done + n]
+                change = diff(new, old, elem)
+                self.stats.compared += n // elem
+                if change is None:
+                    continue
+                self.stats.changed += change.changed
+                if change.kind == "dense":
+                    dense.append(Region(r.param, r.param_offset + done, r.buffer_offset + done, n))
+                else:
+                    self._stage(unit, r.param, r.param_offset + done, elem, change)
+                if on_host:
+                    _reseed(old, new, elem, change)
+        if not on_host:
+            base.copy_(out[: group.nbytes])
         return dense
 
     def _chunk_bytes(self, elem: int) -> int:
@@ -270,6 +288,15 @@ class DeltaSender:
         for patch in [p for p in [self._open, *self._ready] if p is not None]:
             patch.lease.release()
         self._open, self._ready, self._pool = None, [], None
+
+
+def _reseed(old: torch.Tensor, new: torch.Tensor, elem: int, change: Change) -> None:
+    """Make host baseline bytes `old` equal `new`, writing only the changed elements of a sparse change."""
+    if change.kind == "dense":
+        old.copy_(new)
+        return
+    held = elements(old, elem).numpy()
+    held[change.where] = elements(change.values, elem).numpy()
 
 
 def parse_delta(value: bool | Mapping[str, object] | DeltaOptions | None) -> DeltaOptions | None:
