@@ -265,3 +265,17 @@ def test_cli_delta_fraction_adds_the_delta_way(capsys: pytest.CaptureFixture[str
         + max(delta["gathers_s"], delta["production_s"] + delta["compare_s"], delta["wire_s"]))
     assert main(args[:-1] + ["--delta-fraction", "0.01"]) == 0
     assert "p2psync-delta" in capsys.readouterr().out
+
+
+def test_delta_compare_counts_each_unit_once() -> None:
+    """A sender serving two engines of one layout compares its bytes once, not per engine."""
+    from p2psync.planner.delta import DeltaCosts, delta_way
+    from p2psync.planner.update import Costs, whole_update
+
+    c = Cluster(train_ranks=1, engines=2, engine_tp=1)
+    p = predict(c, analytic_shapes(SMALL, 1, 1, "bf16"))
+    one_engine = max(p.receiver_bytes.values())
+    assert max(p.sender_bytes.values()) == 2 * one_engine
+    p2p = whole_update(p, analytic_shapes(SMALL, 1, 1, "bf16"), Costs())["ways"]["p2psync"]
+    way = delta_way(p, p2p, DeltaCosts(0.01, compare_gbytes=2.0), produce_gbytes=1000.0)
+    assert way["compare_s"] == pytest.approx(3 * one_engine / 2e9)

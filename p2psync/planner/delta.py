@@ -9,9 +9,10 @@ The model, printed with every result:
   1 byte, its float32 scales counted as one-byte elements too, a slight overestimate
   of their savings that their small size makes negligible).
 - sender: besides producing the bytes as in a full update, each sender compares them
-  with its baseline and re-seeds it (reads both, writes one: three times the bytes it
-  produces) at `compare_gbytes`; the device path compares in GPU memory, while host
-  buffers compare on the CPU, much slower.
+  with its baseline and re-seeds it, once per unit (layout key and engine rank) it serves,
+  however many engines share the unit (reads both, writes one: three times the unit's
+  bytes) at `compare_gbytes`; the device path compares in GPU memory, while host buffers
+  compare on the CPU, much slower.
 - engine: applies its patch (reads the received bytes, scatters the changed elements)
   at `produce_gbytes`, before its post-load step.
 - the gathers do not change: every sender still gathers every bucket.
@@ -19,10 +20,12 @@ The model, printed with every result:
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
 from ..core.delta import cheapest, record_bytes
+from .predict import Prediction
 
 #: Element sizes of the engines' parameters, by the planner's engine dtype.
 ELEMENT_BYTES = {"bf16": 2, "fp8": 1}
@@ -43,7 +46,7 @@ class DeltaCosts:
 
 MODEL = (
     "delta: each engine rank receives {wire:.2%} of its full bytes ({kind}, {fraction:.2%} of elements changed, "
-    "{elem}-byte elements); senders compare and re-seed baselines (3x the bytes they produce) at {compare:g} GB/s; "
+    "{elem}-byte elements); senders compare and re-seed baselines (3x each unit's bytes) at {compare:g} GB/s; "
     "engines apply at {produce:g} GB/s; gathers unchanged"
 )
 
@@ -61,22 +64,32 @@ def wire_fraction(changed_fraction: float, elem_bytes: int) -> tuple[float, str]
     return sent / dense, kind
 
 
-def delta_way(
-    p2p: dict[str, float], received_bytes: int, sent_bytes: int, engine_dtype: str, changed_fraction: float,
-    produce_gbytes: float, compare_gbytes: float,
-) -> dict[str, Any]:
-    """The p2psync way of `whole_update` (`p2p`: its parts, in seconds) in delta mode: the most
-    a sender produces is `sent_bytes`, the most an engine rank receives `received_bytes`."""
-    elem = ELEMENT_BYTES[engine_dtype]
-    fraction, kind = wire_fraction(changed_fraction, elem)
+def compared_bytes(p: Prediction) -> int:
+    """The most bytes one sender compares per update: each unit (pipeline stage, engine rank)
+    it serves, once."""
+    c = p.cluster
+    per_sender: dict[int, int] = defaultdict(int)
+    for stage, plan in enumerate(p.plans):
+        layers = c.stage_layers(stage, len(p.shapes.layer_kinds))
+        first, last = stage == 0, stage == c.train_pp - 1
+        for sender, rank in {(sender, t.rank) for t, sender in plan.assignment.items()}:
+            per_sender[sender] += p.shapes.rank_bytes(rank, layers, first, last)[0]
+    return max(per_sender.values(), default=0)
+
+
+def delta_way(p: Prediction, p2p: dict[str, float], costs: DeltaCosts, produce_gbytes: float) -> dict[str, Any]:
+    """The p2psync way of `whole_update` (`p2p`: its parts, in seconds) in delta mode."""
+    elem = ELEMENT_BYTES[p.cluster.engine_dtype]
+    fraction, kind = wire_fraction(costs.changed_fraction, elem)
     way = dict(p2p)
     way["wire_s"] = p2p["wire_s"] * fraction
-    way["compare_s"] = 3 * sent_bytes / (compare_gbytes * 1e9)
-    way["apply_s"] = received_bytes * fraction / (produce_gbytes * 1e9)
+    way["compare_s"] = 3 * compared_bytes(p) / (costs.compare_gbytes * 1e9)
+    way["apply_s"] = max(p.receiver_bytes.values()) * fraction / (produce_gbytes * 1e9)
     fixed = way["pause_s"] + way["finish_s"] + way["post_load_s"] + way["apply_s"]
     way["total_s"] = fixed + max(way["gathers_s"], way["production_s"] + way["compare_s"], way["wire_s"])
     way["wire_fraction"] = fraction
     way["model"] = MODEL.format(
-        wire=fraction, kind=kind, fraction=changed_fraction, elem=elem, compare=compare_gbytes, produce=produce_gbytes
+        wire=fraction, kind=kind, fraction=costs.changed_fraction, elem=elem, compare=costs.compare_gbytes,
+        produce=produce_gbytes,
     )
     return way

@@ -36,9 +36,7 @@ def plan_dict(
     d["update"] = whole_update(prediction, trainer, costs)
     if delta is not None:
         d["update"]["ways"]["p2psync-delta"] = delta_way(
-            d["update"]["ways"]["p2psync"], max(prediction.receiver_bytes.values()),
-            max(prediction.sender_bytes.values()), cluster.engine_dtype, delta.changed_fraction,
-            costs.produce_gbytes, delta.compare_gbytes,
+            prediction, d["update"]["ways"]["p2psync"], delta, costs.produce_gbytes
         )
     for s, gathered in zip(d["stages"], d["update"]["stage_gathers"]):
         s["held_bytes_trainer_dtype"] = gathered["held_bytes"]
