@@ -17,6 +17,8 @@ from p2psync.core.control import post  # noqa: E402
 from p2psync.core.session import Session  # noqa: E402
 
 LR = 3e-5
+#: Seconds an engine process may take to publish its table: a loaded machine starts them slowly.
+START_TIMEOUT = 180.0
 
 
 def session_for(group, model, **kwargs) -> Session:
@@ -26,12 +28,16 @@ def session_for(group, model, **kwargs) -> Session:
     return Session(source=FSDP2Source(model), rendezvous=group.rendezvous, **kwargs)
 
 
-def restart(group, engine: str, dtype: str) -> None:
-    """Start a killed engine's successor and wait for its table: it replaces the dead
-    one's as the next incarnation (the trainer's next connect must see the new one)."""
-    before = group.rendezvous.read_engine(engine)[0].incarnation
+def start(group, engine: str, dtype: str) -> None:
+    """Start an engine process and wait for its table (longer than connect waits). A killed
+    engine's successor replaces the dead one's table as the next incarnation: wait for that
+    one, which the trainer's next connect must see."""
+    before = group.rendezvous.read_engine(engine)[0].incarnation if engine in group.procs else -1
     group.start(engine, dtype=dtype)
-    wait_for(lambda: group.rendezvous.read_engine(engine)[0].incarnation > before, 60, f"engine {engine}'s successor")
+    wait_for(
+        lambda: group.rendezvous.read_engine(engine, timeout=START_TIMEOUT)[0].incarnation > before,
+        START_TIMEOUT, f"engine {engine}'s table",
+    )
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
@@ -73,7 +79,7 @@ def test_fifty_adamw_updates_stay_bit_exact_through_a_restart_and_two_layout_key
     dtypes = {"a": "bfloat16", "b": "bfloat16", "c": "float8_e4m3fn"}
     with engines() as group:
         for engine, dtype in dtypes.items():
-            group.start(engine, dtype=dtype)
+            start(group, engine, dtype)
         model = small_model(0)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         full_size = sum(p.numel() * 2 for p in model.parameters())  # bytes of a bf16 engine's full update
@@ -84,7 +90,7 @@ def test_fifty_adamw_updates_stay_bit_exact_through_a_restart_and_two_layout_key
                 session.check = step % 2 == 1  # every other update also runs the digest check
                 if step == 40:
                     group.kill("c")
-                    restart(group, "c", "float8_e4m3fn")
+                    start(group, "c", "float8_e4m3fn")
                     session.connect(list(dtypes))
 
                 def kill_b(done: int, total: int, step: int = step) -> None:
@@ -94,7 +100,7 @@ def test_fifty_adamw_updates_stay_bit_exact_through_a_restart_and_two_layout_key
                 report = session.update(f"v{step}", progress=kill_b)
                 if step == 25:
                     assert report.stale == ["b"], report.format()
-                    restart(group, "b", "bfloat16")
+                    start(group, "b", "bfloat16")
                     session.connect(list(dtypes))
                 else:
                     assert report.ok, report.format()
@@ -116,7 +122,7 @@ def test_fifty_adamw_updates_stay_bit_exact_through_a_restart_and_two_layout_key
 
 def test_full_every_full_true_and_a_failed_check_send_full_updates():
     with engines() as group:
-        group.start("a", dtype="bfloat16")
+        start(group, "a", "bfloat16")
         model = small_model(0)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         with session_for(group, model, delta={"full_every": 3}, check=True) as session:
@@ -141,7 +147,7 @@ def test_full_every_full_true_and_a_failed_check_send_full_updates():
 
 def test_a_baseline_budget_too_small_sends_full_updates():
     with engines() as group:
-        group.start("a", dtype="bfloat16")
+        start(group, "a", "bfloat16")
         model = small_model(0)
         with session_for(group, model, delta={"memory_bytes": 1024}, check=True) as session:
             session.connect(["a"])
@@ -157,7 +163,7 @@ def test_delta_over_each_transport(transport):
     if transport == "nixl":
         pytest.importorskip("nixl_cu12", reason="NIXL (p2psync[nixl]) is not installed")
     with engines(transport=transport) as group:
-        group.start("a", dtype="bfloat16")
+        start(group, "a", "bfloat16")
         model = small_model(0)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         with session_for(group, model, check=True) as session:
