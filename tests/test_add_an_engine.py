@@ -6,12 +6,15 @@ fallback to its own loader, and bytes equal to its own `load_weights` on every r
 The toy engine does what real engines do to a checkpoint: it fuses q, k and v into one
 tensor-parallel `qkv`, splits `o` by columns, pads and splits the vocabulary by rows
 (zeros in the padding), ties the LM head to the embedding, and stores each norm as
-`1 + weight` (as Gemma's engines do: not a copy, so its own loader produces it).
+`1 + weight` (as Gemma's engines do: not a copy, so its own loader produces it). Delta
+updates reach such an engine's regions (parts of parameters, at offsets) just as well.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import torch
@@ -174,28 +177,84 @@ def test_the_shared_room_gives_copy_maps_and_falls_back_per_parameter():
     assert len(replica.loader_params) == len(table.params)
 
 
-def test_a_session_updates_toy_engines_bit_exact_with_their_own_loader():
-    from p2psync.adapters.fsdp2 import FSDP2Source
+def state_of(trainer: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in trainer.state_dict().items()}
+
+
+@contextmanager
+def toy_session(source: Any, tp: int = 2, **session: Any) -> Iterator[tuple[Session, list[ToyEngineModel]]]:
+    """Engine toy-0's `tp` ranks (0xA5 bytes at first) served over samehost in this process,
+    and a session of `source` (a trainer source) connected to them."""
     from p2psync.core.plugins import registry
 
     registry().add("engine_targets", ToyTarget, "tests", "0")
     rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="toy", is_server=True, timeout=10)
-    trainer = hf_model(1)
-    sources = {n: t.detach().clone() for n, t in trainer.state_dict().items()}
-    ranks = [engine_rank(2, r, sources) for r in range(2)]
-    endpoints = [serve_toy(engine, engine_id="toy-0", rendezvous=rendezvous, transport="samehost") for engine, _, _ in ranks]
+    engines = [engine_rank(tp, r, {})[0] for r in range(tp)]
+    endpoints = [
+        serve_toy(engine, engine_id="toy-0", rendezvous=rendezvous, transport="samehost") for engine in engines
+    ]
     try:
-        with Session(source=FSDP2Source(trainer), transport="samehost", rendezvous=rendezvous, check=True) as session:
-            session.connect(["toy-0"])
-            report = session.update("v1")
-            assert report.ok, report.format()
-        for engine, expected, _ in ranks:
-            for name, p in engine.named_parameters():
-                assert torch.equal(p.data.view(torch.uint8), expected[name].view(torch.uint8)), name
+        with Session(source=source, transport="samehost", rendezvous=rendezvous, check=True, **session) as s:
+            s.connect(["toy-0"])
+            yield s, engines
     finally:
         for endpoint in endpoints:
             endpoint.close()
         del registry().entries["engine_targets"]["toy"]
+
+
+def assert_own_load(engines: list[ToyEngineModel], sources: dict[str, torch.Tensor], when: object) -> None:
+    """Every rank holds exactly what its own loader makes of the trainer's tensors `sources`."""
+    for rank, engine in enumerate(engines):
+        expected = engine_rank(len(engines), rank, sources)[1]
+        for name, p in engine.named_parameters():
+            assert torch.equal(p.data.view(torch.uint8), expected[name].view(torch.uint8)), (when, rank, name)
+
+
+def test_a_session_updates_toy_engines_bit_exact_with_their_own_loader():
+    from p2psync.adapters.fsdp2 import FSDP2Source
+
+    trainer = hf_model(1)
+    with toy_session(FSDP2Source(trainer)) as (session, engines):
+        report = session.update("v1")
+        assert report.ok, report.format()
+    assert_own_load(engines, state_of(trainer), "v1")
+
+
+def touch_a_few(trainer: nn.Module, step: int) -> None:
+    """Change about 1% of every tensor's elements, as a small optimizer step does to bf16 bytes."""
+    generator = torch.Generator().manual_seed(step)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            pick = torch.rand(p.shape, generator=generator) < 0.01
+            p[pick] += 0.5
+
+
+@pytest.mark.parametrize("gather", ["always", "auto"])
+def test_delta_updates_keep_toy_engines_bit_exact_with_their_own_loader(gather):
+    """After its first (full) update each rank gets deltas: the regions a copy map writes
+    (parts of a parameter, at offsets), the loader's own parameters and the untouched
+    padding must all end as the rank's own loader leaves them. With gather="auto" the
+    gather-free groups (all but the norms) are sent whole to the delta targets too, and the
+    gathered norms (too small for a patch) dense where they changed."""
+    from p2psync.adapters.fsdp2 import FSDP2Source
+
+    trainer = hf_model(1)
+    live = {n: t.detach() for n, t in trainer.state_dict().items()}  # the trainer's own storage
+    source = FSDP2Source(trainer) if gather == "always" else ShardSource(live)
+    with toy_session(source, delta=True, bucket_bytes=4096, gather=gather) as (session, engines):
+        full_bytes = 0
+        for step in range(4):
+            if step:
+                touch_a_few(trainer, step)
+            report = session.update(f"v{step}")
+            assert report.ok, report.format()
+            assert report.engines["toy-0"].delta_ranks == ([0, 1] if step else [])
+            if step == 0:
+                full_bytes = report.engines["toy-0"].bytes
+            elif gather == "always":
+                assert report.engines["toy-0"].bytes < full_bytes / 2, report.format()
+            assert_own_load(engines, state_of(trainer), step)
 
 
 def test_a_rank_holding_nothing_of_a_tensor_has_no_runs_for_it():
@@ -294,29 +353,14 @@ def test_strided_runs_pack_into_one_copy_and_one_write():
 def test_a_gather_free_session_updates_toy_engines_bit_exact(claims):
     """Session(gather="auto") sends the copy groups without a gather and the rest (the norms)
     gathered; claims that cover a tensor twice are not trusted: it is gathered instead."""
-    from p2psync.core.plugins import registry
-
-    registry().add("engine_targets", ToyTarget, "tests", "0")
-    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="toy-gf", is_server=True, timeout=10)
-    sources = {n: t.detach().clone() for n, t in hf_model(1).state_dict().items()}
+    sources = state_of(hf_model(1))
     numel = sources["layers.0.q.weight"].numel()
     twice = {"layers.0.q.weight": ((0, numel), (numel // 2, numel))} if claims == "overlapping" else {}
-    ranks = [engine_rank(2, r, sources) for r in range(2)]
-    endpoints = [serve_toy(engine, engine_id="toy-0", rendezvous=rendezvous, transport="samehost") for engine, _, _ in ranks]
-    try:
-        source = ShardSource(sources, twice)
-        with Session(source=source, transport="samehost", rendezvous=rendezvous, check=True, gather="auto") as session:
-            session.connect(["toy-0"])
-            free, gathered = session.gather_free_bytes
-            norms = 2 * LAYERS * HIDDEN * 4  # per rank's unit
-            qkv = 2 * 3 * HEADS // 2 * HEAD_DIM * HIDDEN * 4  # layer 0's fused qkv, which reads q
-            assert (free > 0, gathered) == (True, norms + (qkv if twice else 0))
-            report = session.update("v1")
-            assert report.ok and all(e.checked for e in report.engines.values()), report.format()
-        for engine, expected, _ in ranks:
-            for name, p in engine.named_parameters():
-                assert torch.equal(p.data.view(torch.uint8), expected[name].view(torch.uint8)), name
-    finally:
-        for endpoint in endpoints:
-            endpoint.close()
-        del registry().entries["engine_targets"]["toy"]
+    with toy_session(ShardSource(sources, twice), gather="auto") as (session, engines):
+        free, gathered = session.gather_free_bytes
+        norms = 2 * LAYERS * HIDDEN * 4  # per rank's unit
+        qkv = 2 * 3 * HEADS // 2 * HEAD_DIM * HIDDEN * 4  # layer 0's fused qkv, which reads q
+        assert (free > 0, gathered) == (True, norms + (qkv if twice else 0))
+        report = session.update("v1")
+        assert report.ok and all(e.checked for e in report.engines.values()), report.format()
+    assert_own_load(engines, sources, "v1")
