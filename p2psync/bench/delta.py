@@ -128,7 +128,9 @@ def _nothing() -> None:
     return None
 
 
-def _verify(trainer: Trainer, ways: list[Way], rendezvous: Any, ids: list[str], timeout: float, leader: bool) -> list[str]:
+def _verify(
+    trainer: Trainer, ways: list[Way], rendezvous: Any, ids: list[str], timeout: float, leader: bool
+) -> list[str]:
     """One more step: a delta update with p2psync's digest check (raises if it fails), then the
     engines' digests, a full update of the same step, and the digests again; the parameters
     that differ (on trainer rank 0; empty elsewhere)."""
