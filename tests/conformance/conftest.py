@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from p2psync.conformance.harness import World
-from p2psync.conformance.harness.trainers import GATHER_FREE
+from p2psync.conformance.harness.trainers import SESSION_WAYS
 from p2psync.conformance.plugin import combination
 from tests.helpers.matrix import BRIDGE_MODEL, WORLDS
 
@@ -24,14 +24,14 @@ class Worlds:
 
     def round_trip(self, trainer: str, engine: str, transport: str, device: str = "cpu", via: str = "-") -> object:
         """The round trip of one combination, from its engine's world (Megatron-Bridge's runs
-        share a world of their own model); `via` "gather-free" runs the trainer's session with
-        `gather="auto"`."""
+        share a world of their own model); `via` "gather-free" or "delta" runs the trainer's
+        session that way (`SESSION_WAYS`)."""
         bridge = trainer == "megatron-bridge"
         key = (engine, device, bridge)
         if key not in self.worlds:
             runs = tuple(dict.fromkeys(
                 (_kind(c["trainer"], c.get("via", "-")), c["transport"]) for c in map(combination, self.session.items)
-                if c and c.get("engine") == engine and c["device"] == device and c.get("via", "-") in VIAS
+                if c and c.get("engine") == engine and c["device"] == device and c.get("via", "-") in SESSION_WAYS
                 and c.get("transport", "-") != "-" and c.get("trainer", "-") != "-"
                 and (c["trainer"] == "megatron-bridge") == bridge
             ))
@@ -41,12 +41,8 @@ class Worlds:
         return self.worlds[key].round_trip(_kind(trainer, via), transport)
 
 
-#: The round trips a world runs: plain, and with the session's gather-free sends.
-VIAS = ("-", "gather-free")
-
-
 def _kind(trainer: str, via: str) -> str:
-    return trainer + GATHER_FREE if via == "gather-free" else trainer
+    return trainer if via == "-" else f"{trainer}/{via}"
 
 
 @pytest.fixture(scope="session")

@@ -94,13 +94,15 @@ class TestToTorch(RoundTripTests):
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("device", DEVICES)
-class TestGatherFreeToTorch(RoundTripTests):
-    """FSDP2 with `Session(gather="auto")`: each trainer rank writes its own rows straight into
-    the engines' parameters, no gather; oracles and generation as above."""
+@pytest.mark.parametrize("via", ["gather-free", "delta"])
+class TestWaysToTorch(RoundTripTests):
+    """FSDP2 with the session's other ways of updating, oracles and generation as above:
+    gather-free (each trainer rank writes its own rows straight into the engines' parameters)
+    and delta (after a full first update, only what changed)."""
 
-    conformance = {"engine": "torch", "trainer": "fsdp2", "via": "gather-free"}
+    conformance = {"engine": "torch", "trainer": "fsdp2"}
 
     @pytest.fixture
-    def round_trip(self, transport, device, worlds):
+    def round_trip(self, transport, device, via, worlds):
         require_device(device)
-        return worlds.round_trip("fsdp2", "torch", transport, device, via="gather-free")
+        return worlds.round_trip("fsdp2", "torch", transport, device, via=via)

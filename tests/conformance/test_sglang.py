@@ -72,12 +72,14 @@ class TestToSglang(RoundTripTests):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
-class TestGatherFreeToSglang(RoundTripTests):
-    """FSDP2 with `Session(gather="auto")`: each trainer rank writes the part of every sglang rank
-    that its own rows feed, no gather; the oracles and bytes checked as above."""
+@pytest.mark.parametrize("via", ["gather-free", "delta"])
+class TestWaysToSglang(RoundTripTests):
+    """FSDP2 with the session's other ways of updating, checked as above: gather-free (each
+    trainer rank writes the part of every sglang rank that its own rows feed, no gather) and
+    delta (after a full first update, every rank gets only what changed)."""
 
-    conformance = {"engine": "sglang", "trainer": "fsdp2", "via": "gather-free"}
+    conformance = {"engine": "sglang", "trainer": "fsdp2"}
 
     @pytest.fixture
-    def round_trip(self, transport, worlds):
-        return worlds.round_trip("fsdp2", "sglang", transport, via="gather-free")
+    def round_trip(self, transport, via, worlds):
+        return worlds.round_trip("fsdp2", "sglang", transport, via=via)

@@ -26,13 +26,17 @@ if TYPE_CHECKING:
     from ...core.source import TrainerSource
     from .world import WorldOptions
 
-#: A trainer kind with this suffix runs its session with `gather="auto"` (e.g. "fsdp2/gather-free").
-GATHER_FREE = "/gather-free"
+#: The session options of a trainer kind's way of updating: a world's trainer kind is the
+#: source's, or "<source>/<way>" (e.g. "fsdp2/gather-free", "fsdp2/delta").
+SESSION_WAYS: dict[str, dict[str, Any]] = {"-": {}, "gather-free": {"gather": "auto"}, "delta": {"delta": True}}
 
 
 def split_kind(kind: str) -> tuple[str, str]:
-    """A world's trainer kind as (the trainer source, the session's `gather` mode)."""
-    return (kind.removesuffix(GATHER_FREE), "auto") if kind.endswith(GATHER_FREE) else (kind, "always")
+    """A world's trainer kind as (the trainer source, its way of updating: a key of SESSION_WAYS)."""
+    source, _, way = kind.partition("/")
+    if (way or "-") not in SESSION_WAYS:
+        raise ValueError(f"trainer kind {kind!r}: no way {way!r}; the ways are {sorted(SESSION_WAYS)}")
+    return source, way or "-"
 
 
 @dataclass
@@ -162,7 +166,7 @@ class SessionConnection:
     then every rank connects one Session."""
 
     def __init__(
-        self, trainer: TrainerRank, opts: WorldOptions, transport: str, urls: dict[str, list[str]], gather: str
+        self, trainer: TrainerRank, opts: WorldOptions, transport: str, urls: dict[str, list[str]], way: str
     ) -> None:
         from ...core.devices import resolve
         from ...core.session import Session
@@ -173,7 +177,7 @@ class SessionConnection:
         self.session = Session(
             source=trainer.source, transport=transport, rendezvous=trainer.rendezvous,
             bucket_bytes=opts.bucket_bytes, transfer_timeout=opts.transfer_timeout, check=opts.check,
-            pin_memory=resolve(opts.device).pin_buffers, gather=gather,
+            pin_memory=resolve(opts.device).pin_buffers, **SESSION_WAYS[way],
         )
         self.session.connect(engine_ids(opts))
         self.bucket_count = self.session.bucket_count
@@ -222,9 +226,12 @@ class VllmConnection:
     `p2psync` backend, one client per engine: its init call has the workers serve `transport`."""
 
     def __init__(
-        self, trainer: TrainerRank, opts: WorldOptions, transport: str, urls: dict[str, list[str]], gather: str
+        self, trainer: TrainerRank, opts: WorldOptions, transport: str, urls: dict[str, list[str]], way: str
     ) -> None:
         from ...adapters.vllm import shim
+
+        if way == "delta":
+            raise ValueError("the vLLM harness does not run delta updates")
 
         shim.import_vllm()  # before any vLLM module: it selects the CPU platform
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -240,7 +247,8 @@ class VllmConnection:
         init = P2PSyncTrainerInitInfo(
             rank=trainer.rank, engine_ids=list(urls), rendezvous_host="127.0.0.1",
             rendezvous_port=trainer.rendezvous.port, job_id=opts.job_id, transport=transport,
-            bucket_bytes=opts.bucket_bytes, transfer_timeout=opts.transfer_timeout, check=opts.check, gather=gather,
+            bucket_bytes=opts.bucket_bytes, transfer_timeout=opts.transfer_timeout, check=opts.check,
+            **SESSION_WAYS[way],
         )
         self.sync = WeightTransferTrainerFactory.trainer_init(init, client=clients, source=trainer.source)
         self.bucket_count = self.sync.session.bucket_count
@@ -256,11 +264,11 @@ class VllmConnection:
 
 
 def connect(
-    trainer: TrainerRank, opts: WorldOptions, transport: str, urls: dict[str, list[str]], gather: str
+    trainer: TrainerRank, opts: WorldOptions, transport: str, urls: dict[str, list[str]], way: str
 ) -> Connection:
     if opts.engine == "vllm":
-        return VllmConnection(trainer, opts, transport, urls, gather)
-    return SessionConnection(trainer, opts, transport, urls, gather)
+        return VllmConnection(trainer, opts, transport, urls, way)
+    return SessionConnection(trainer, opts, transport, urls, way)
 
 
 def dump(trainer: TrainerRank, opts: WorldOptions, urls: dict[str, list[str]], folder: Path) -> Path:
@@ -287,12 +295,12 @@ def trainer_main(rank: int, opts: WorldOptions, port: int, results: Any, kind: s
     from ...core.control import post
     from .world import RunResult
 
-    source_kind, gather = split_kind(kind)
+    source_kind, way = split_kind(kind)
     trainer = TRAINERS[source_kind](rank, opts, port)
     urls = harness_urls(trainer, opts) if rank == 0 else {}
     token = trainer.rendezvous.token()
     for transport in opts.transports_of(kind):
-        connection = connect(trainer, opts, transport, urls, gather)
+        connection = connect(trainer, opts, transport, urls, way)
         reports, generations = [], []
         for i in range(opts.updates):
             trainer.step()

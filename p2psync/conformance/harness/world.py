@@ -184,10 +184,15 @@ class World:
             if result.error:
                 pytest.fail(f"{kind} -> {self.opts.engine} over {transport}: {result.error}", pytrace=False)
             check_reports(result, self.opts)
-            if split_kind(kind)[1] == "auto":
+            way = split_kind(kind)[1]
+            if way == "gather-free":
                 assert result.gather_free_bytes > 0, f"{kind} -> {self.opts.engine}: nothing was sent gather-free"
             else:
                 assert result.buckets > 1, "the run must span several buckets"
+            if way == "delta":  # the first update is full; every later one a delta to every rank
+                for report in result.reports[1:]:
+                    deltas = {e: sorted(r.delta_ranks) for e, r in report.engines.items()}
+                    assert all(ranks == list(range(self.opts.engine_tp)) for ranks in deltas.values()), deltas
             return self.pairs(result)
 
         return go
