@@ -22,7 +22,7 @@ import urllib.error
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from .control import ControlServer, Refused, post
 from .delta import PatchRecord
@@ -73,6 +73,22 @@ class EngineHooks:
     #: Extra routes, e.g. {"generate": fn(body) -> dict}, served beside the standard ones, and only
     #: while the engine serves (else answered 503 with the reason).
     routes: Mapping[str, Callable[[dict[str, Any]], dict[str, Any] | None]] = field(default_factory=dict)
+
+
+class EndpointOptions(TypedDict, total=False):
+    """What an engine adapter's `serve` passes on to `EngineEndpoint.serve` unchanged:
+    `hooks`, the control server's `host`, the job's `token` (default: the rendezvous's),
+    `transport_options`, the `version` the rank loaded, its `incarnation`, `extra` fields
+    for its table, and `patch_bytes` (see `EngineEndpoint`)."""
+
+    hooks: EngineHooks | None
+    host: str
+    token: str | None
+    transport_options: Mapping[str, Any] | None
+    version: str | None
+    incarnation: int | None
+    extra: Mapping[str, Any] | None
+    patch_bytes: int | None
 
 
 class EngineEndpoint:

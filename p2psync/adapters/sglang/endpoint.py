@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ...core.endpoint import EngineEndpoint, EngineHooks
+from ...core.endpoint import EndpointOptions, EngineEndpoint, EngineHooks
 from ...core.transport import Transport
 from .key import fp8_config, layout_key
 from .shim import TargetAndDraft, fp8_post_load_settings, hf_config_dict, post_load
 
 if TYPE_CHECKING:
+    from typing import Unpack
+
     import torch
 
     from ...core.rendezvous import Rendezvous
@@ -25,14 +26,8 @@ def serve(
     rank: int,
     rendezvous: Rendezvous,
     transport: Transport | str,
-    hooks: EngineHooks | None = None,
-    host: str = "127.0.0.1",
-    token: str | None = None,
-    transport_options: Mapping[str, Any] | None = None,
-    version: str | None = None,
-    incarnation: int | None = None,
-    extra: Mapping[str, Any] | None = None,
     draft: torch.nn.Module | None = None,
+    **options: Unpack[EndpointOptions],
 ) -> EngineEndpoint:
     """Register the rank's parameters (sglang names, live memory), publish its table, serve control calls.
 
@@ -41,10 +36,8 @@ def serve(
     `draft`: the rank's speculative draft model (sglang's MTP/NextN draft worker's, its
     embedding and LM head already the target's): its parameters are published too, under
     `draft.`, so that one update writes and checks both (see `shim.TargetAndDraft`).
-    Control calls must carry `token` (default: the job's token from the rendezvous).
-    `extra` goes into the published table (the server's URL, when serving inside one).
-    By default `finish` runs sglang's post-load step (see `shim.post_load`). `version` and
-    `incarnation`: see `EngineEndpoint`.
+    By default `finish` runs sglang's post-load step (see `shim.post_load`). `options`:
+    see `EndpointOptions` (`extra`: the server's URL, when serving inside one).
     """
     import sglang
 
@@ -52,6 +45,8 @@ def serve(
     fp8_post_load = fp8_post_load_settings() if fp8_config(hf_config) else None
     if draft is not None:
         model = TargetAndDraft(model, draft)
+    if options.get("hooks") is None:
+        options["hooks"] = EngineHooks(post_process=lambda: post_load(model))  # the draft's too
     return EngineEndpoint.serve(
         engine="sglang",
         engine_id=engine_id,
@@ -63,12 +58,6 @@ def serve(
             draft_published=draft is not None,
         ),
         transport=transport,
-        transport_options=transport_options,
         rendezvous=rendezvous,
-        hooks=hooks or EngineHooks(post_process=lambda: post_load(model)),  # the draft's too
-        host=host,
-        token=token,
-        version=version,
-        incarnation=incarnation,
-        extra=extra,
+        **options,
     )

@@ -6,10 +6,12 @@ import hashlib
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ...core.endpoint import EngineEndpoint, EngineHooks
+from ...core.endpoint import EndpointOptions, EngineEndpoint
 from ...core.transport import Transport
 
 if TYPE_CHECKING:
+    from typing import Unpack
+
     import torch
 
     from ...core.rendezvous import Rendezvous
@@ -23,20 +25,14 @@ def serve(
     transport: Transport | str,
     rank: int = 0,
     world_size: int = 1,
-    hooks: EngineHooks | None = None,
     name_map: Callable[[str], str] | Mapping[str, str] | None = None,
-    host: str = "127.0.0.1",
-    token: str | None = None,
-    transport_options: Mapping[str, Any] | None = None,
-    version: str | None = None,
-    incarnation: int | None = None,
+    **options: Unpack[EndpointOptions],
 ) -> EngineEndpoint:
     """Register `module`'s parameters, publish its table and serve control calls.
 
-    Control calls must carry `token` (default: the job's token from the rendezvous).
     The module serves (its `hooks.routes`) only weights of a known version: `version`
-    declares the one it holds now, else it waits for its first update. `incarnation`
-    replaces a live engine of the same id (see `EngineEndpoint`).
+    declares the one it holds now, else it waits for its first update. `options`: see
+    `EndpointOptions` (control calls must carry `token`, default the rendezvous's).
 
     Parameters are published under their HF names: `name_map` turns a module
     parameter name into one (a mapping or a function; identity by default). The
@@ -56,11 +52,6 @@ def serve(
         params=params,
         layout_key={"params": fingerprint},
         transport=transport,
-        transport_options=transport_options,
         rendezvous=rendezvous,
-        hooks=hooks,
-        host=host,
-        token=token,
-        version=version,
-        incarnation=incarnation,
+        **options,
     )

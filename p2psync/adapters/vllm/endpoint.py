@@ -6,14 +6,15 @@ by anything else that holds a vLLM rank model (tests build one per process).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ...core.endpoint import EngineEndpoint, EngineHooks
+from ...core.endpoint import EndpointOptions, EngineEndpoint
 from ...core.transport import Transport
 from .key import layout_key
 
 if TYPE_CHECKING:
+    from typing import Unpack
+
     import torch
 
     from ...core.rendezvous import Rendezvous
@@ -27,17 +28,11 @@ def serve(
     engine_id: str,
     rendezvous: Rendezvous,
     transport: Transport | str,
-    hooks: EngineHooks | None = None,
-    host: str = "127.0.0.1",
-    token: str | None = None,
-    transport_options: Mapping[str, Any] | None = None,
-    version: str | None = None,
-    incarnation: int | None = None,
+    **options: Unpack[EndpointOptions],
 ) -> EngineEndpoint:
     """Register the rank's parameters, publish its table (vLLM names, vLLM layout key) and
     serve control calls. The parameters must be those vLLM loads into, before any
-    post-processing that changes their bytes or storage. `version` and `incarnation`: see
-    `EngineEndpoint`."""
+    post-processing that changes their bytes or storage. `options`: see `EndpointOptions`."""
     return EngineEndpoint.serve(
         engine="vllm",
         engine_id=engine_id,
@@ -46,11 +41,6 @@ def serve(
         params={name: p.data for name, p in model.named_parameters()},
         layout_key=layout_key(vllm_config, model),
         transport=transport,
-        transport_options=transport_options,
         rendezvous=rendezvous,
-        hooks=hooks,
-        host=host,
-        token=token,
-        version=version,
-        incarnation=incarnation,
+        **options,
     )
