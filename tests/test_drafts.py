@@ -166,7 +166,8 @@ def trainer_process(rank: int, opts: Any, port: int, results: Any) -> None:
 @pytest.mark.slow
 def test_an_update_writes_target_and_draft_as_sglangs_loads_make_them(tmp_path):
     pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is not installed")
-    from p2psync.demo import DemoOptions, launch
+    from p2psync.conformance.harness import launch
+    from p2psync.demo import DemoOptions
 
     opts = DemoOptions(trainers=2, engines=TP, updates=2, transport="mooncake", bucket_bytes=64 << 10,
                        progress=False, dump_dir=str(tmp_path))

@@ -222,17 +222,37 @@ def test_sglang_meta_shapes_equal_analytic() -> None:
              [("qwen2", 2, 1), ("qwen3", 2, 1), ("qwen3_moe", 2, 2), ("qwen3_moe", 4, 2), ("deepseek_v3", 2, 2),
               ("deepseek_v3", 2, 1)]]
     # the presets themselves, at real width (sglang builds one layer of each kind on meta)
+    # (not GLM-5: sglang 0.5.23 builds its sparse-attention indexer's rope on CPU only for DeepSeek-YaRN
+    # scaling, which GLM-5 does not use; the planner models it analytically, saying so)
     cases += [(preset("GLM-4.5-Air"), 8, 8), (preset("Qwen3-235B-A22B"), 8, 4), (preset("Kimi-K2"), 8, 8),
-              (preset("GLM-4.7-Flash"), 4, 4), (preset("GLM-5"), 8, 8)]
-    for cfg, tp, ep in cases:
+              (preset("GLM-4.7-Flash"), 4, 4)]
+    # an fp8 engine ([128, 128] blocks, which Kimi-K2's TP 8 split divides), as published
+    fp8 = [(preset("Kimi-K2"), 8, 8, "fp8")]
+    for cfg, tp, ep, dtype in [(cfg, tp, ep, "bf16") for cfg, tp, ep in cases] + fp8:
         kind = cfg["architectures"][0]
-        real, analytic = sglang_shapes(cfg, tp, ep, "bf16"), analytic_shapes(cfg, tp, ep, "bf16")
+        real, analytic = sglang_shapes(cfg, tp, ep, dtype), analytic_shapes(cfg, tp, ep, dtype)
         assert real.source.startswith("shapes from sglang")
+        if dtype == "fp8":
+            assert any(p.dtype == "float8_e4m3fn" for ps in real.ranks[0].parts.values() for p in ps), kind
         for rank in range(tp):
             for part in set(real.ranks[rank].parts) | set(analytic.ranks[rank].parts):
                 got = Counter((p.name, p.shape, p.dtype) for p in real.ranks[rank].parts.get(part, []))
                 want = Counter((p.name, p.shape, p.dtype) for p in analytic.ranks[rank].parts.get(part, []))
-                assert got == want, (kind, tp, ep, rank, part)
+                assert got == want, (kind, tp, ep, dtype, rank, part, got - want, want - got)
+
+
+def test_fp8_shapes_sglang_does_not_build_are_analytic_saying_why() -> None:
+    """GLM-4.5-Air at TP 8 splits its MoE rows into 1368, which [128, 128] blocks do not divide:
+    sglang refuses the engine, and the planner says so and models it analytically."""
+    from p2psync.planner.engine import sglang_available, shapes_for
+
+    ok, why = sglang_available()
+    if not ok:
+        pytest.skip(f"sglang cannot be used here: {why}")
+    real = shapes_for(preset("Kimi-K2"), 8, 8, "fp8")
+    assert real.source.startswith("shapes from sglang")
+    refused = shapes_for(preset("GLM-4.5-Air"), 8, 8, "fp8")
+    assert "sglang does not build this engine rank" in refused.source and "not divisible" in refused.source
 
 
 def test_delta_wire_fraction_by_hand() -> None:

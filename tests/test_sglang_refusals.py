@@ -149,5 +149,5 @@ def test_a_server_whose_weights_cannot_be_addressed_is_refused_before_anything_i
             publish_server(url, engine_id="server", rendezvous=rendezvous, hf_config=config)
     assert reason in str(error.value), str(error.value)
     assert posts == []  # no control call reached the server
-    with pytest.raises(RendezvousError, match="not available within"):
+    with pytest.raises(RendezvousError, match="not published within"):
         rendezvous.read_engine("server")  # nothing published: no trainer can write to it

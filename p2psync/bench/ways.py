@@ -82,6 +82,8 @@ class P2PWay(Way):
     def __init__(self, session: Session, name: str = "p2p", description: str = "p2psync") -> None:
         self.session = session
         self.name, self.description = name, description
+        #: Bytes of an update this rank sends gather-free and produces from gathers (the session is connected).
+        self.split = session.gather_free_bytes
         self.reports: list[UpdateReport] = []
         #: Per update: when this rank's writes ran (monotonic clock).
         self.write_intervals: list[list[tuple[float, float]]] = []
@@ -111,7 +113,7 @@ class P2PWay(Way):
         return self.session.sent_bytes  # counted by the writers: every completed write's bytes
 
     def to_json(self) -> dict[str, Any]:
-        free, gathered = self.session.gather_free_bytes
+        free, gathered = self.split
         return {**super().to_json(), "p2psync": True, "gather_free_bytes": free, "gathered_bytes": gathered}
 
 

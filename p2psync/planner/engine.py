@@ -43,14 +43,21 @@ def _reduced(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[int, str]]:
     return small, {i: kinds[i] for i in keep.values()}
 
 
+#: The checkpoint config of an fp8 engine the planner models: block-quantized, [128, 128] scales.
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
 def sglang_shapes(cfg: dict[str, Any], tp: int, ep: int, dtype: str) -> ShapeModel:
-    """Shapes of every rank of an sglang engine (tp ranks, experts over ep), from sglang's model on meta."""
+    """Shapes of every rank of an sglang engine (tp ranks, experts over ep), from sglang's model on
+    meta; for fp8, of the fp8 checkpoint (`FP8_CONFIG`, or the config's own `quantization_config`)."""
     from ..adapters.sglang import rank_params, version
 
-    if dtype != "bf16":
-        raise ValueError("sglang meta shapes: only bf16 engines (the sglang layout does not support quantized engines)")
+    if dtype not in ("bf16", "fp8"):
+        raise ValueError(f"sglang meta shapes: bf16 or fp8 engines, not {dtype!r}")
     sglang_version = version()
     small, picked = _reduced(cfg)
+    if dtype == "fp8":
+        small.setdefault("quantization_config", FP8_CONFIG)
     ranks: list[RankShapes] = []
     for rank in range(tp):
         parts: dict[str, list[Param]] = {"embed": [], "final": []}
@@ -78,7 +85,7 @@ def shapes_for(
     cfg: dict[str, Any], tp: int, ep: int, dtype: str, want: str = "auto", dp_attention: bool = False
 ) -> ShapeModel:
     """`want`: "sglang" (the real engine code; error if it cannot be used), "analytic", or "auto"
-    (sglang when it imports and the engine dtype is bf16 without DP attention, else analytic, saying why)."""
+    (sglang when it imports and there is no DP attention, else analytic, saying why)."""
     if want == "analytic":
         return analytic_shapes(cfg, tp, ep, dtype, "requested", dp_attention)
     ok, why = sglang_available()
@@ -90,8 +97,10 @@ def shapes_for(
         return sglang_shapes(cfg, tp, ep, dtype)
     if not ok:
         return analytic_shapes(cfg, tp, ep, dtype, "sglang not installed" if "No module" in why else why, dp_attention)
-    if dtype != "bf16":
-        return analytic_shapes(cfg, tp, ep, dtype, "fp8 engine: the sglang layout models bf16 engines only", dp_attention)
     if dp_attention:
         return analytic_shapes(cfg, tp, ep, dtype, "DP attention is modelled analytically only", dp_attention)
-    return sglang_shapes(cfg, tp, ep, dtype)
+    try:
+        return sglang_shapes(cfg, tp, ep, dtype)
+    except (ValueError, AssertionError) as exc:  # e.g. an fp8 block the TP split does not divide
+        said = str(exc).splitlines()[0] if str(exc) else "an assertion failed"
+        return analytic_shapes(cfg, tp, ep, dtype, f"sglang does not build this engine rank: {said}", dp_attention)

@@ -172,6 +172,9 @@ class _Builder:
             self.norm(out, "self_attn.kv_a_layernorm", kvl)
             self.linear(out, "self_attn.kv_b_proj", hp * (nope + v), kvl)
             self.linear(out, "self_attn.o_proj", h, hp * v)
+            if self.fp8:  # the kv-cache scales sglang gives an fp8 model's MLA attention (1.0 unless loaded)
+                scales = [f"self_attn.{a}.{s}" for a in ("attn_mqa", "attn_mha") for s in ("k_scale", "v_scale")]
+                out += [Param(name, (), "float32") for name in scales]
             if c.get("index_topk"):  # DeepSeek sparse attention's indexer (V3.2, GLM-5): replicated
                 heads_i, dim_i = int(c["index_n_heads"]), int(c["index_head_dim"])
                 self.linear(out, "self_attn.indexer.wq_b", heads_i * dim_i, int(ql or h))
