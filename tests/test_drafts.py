@@ -164,6 +164,7 @@ def trainer_process(rank: int, opts: Any, port: int, results: Any) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.conformance(trainer="fsdp2", engine="sglang", transport="mooncake", via="MTP draft")
 def test_an_update_writes_target_and_draft_as_sglangs_loads_make_them(tmp_path):
     pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is not installed")
     from p2psync.conformance.harness import launch

@@ -17,7 +17,7 @@ from functools import lru_cache  # noqa: E402
 
 import torch  # noqa: E402
 from tests.helpers.fp8_checkpoints import (  # noqa: E402
-    checkpoint, config_dict, fill_bytes, flat_bytes, fp8_checkpoint, quantizer_of, served_in_fp8, specs,
+    checkpoint, config_dict, fill_bytes, flat_bytes, fp8_checkpoint, fp8_row, quantizer_of, served_in_fp8, specs,
 )
 from tests.helpers.sglang_models import produce, table_of  # noqa: E402
 
@@ -100,7 +100,9 @@ def check_every_rank(kind: str, tp: int, ep: int, name: str, block: int | None, 
             assert torch.equal(held[param], flat_bytes(tensor)), (kind, tp, ep, name, block, rank, param)
 
 
-@pytest.mark.parametrize("kind,tp,ep,name,block", CASES, ids=IDS)
+@pytest.mark.parametrize(
+    "kind,tp,ep,name,block", [pytest.param(*c, id=i, marks=fp8_row("sglang", c[4])) for c, i in zip(CASES, IDS)]
+)
 def test_fp8_copy_map_equals_sglang_load_on_every_rank(kind, tp, ep, name, block):
     check_every_rank(kind, tp, ep, name, block, "copy_map")
 

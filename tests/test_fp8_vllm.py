@@ -14,7 +14,7 @@ from functools import lru_cache  # noqa: E402
 
 import torch  # noqa: E402
 from tests.helpers.fp8_checkpoints import (  # noqa: E402
-    checkpoint, config_dict, fill_bytes, flat_bytes, fp8_checkpoint, quantizer_of, served_in_fp8, specs,
+    checkpoint, config_dict, fill_bytes, flat_bytes, fp8_checkpoint, fp8_row, quantizer_of, served_in_fp8, specs,
 )
 from tests.helpers.sglang_models import produce  # noqa: E402
 
@@ -60,7 +60,9 @@ def vllm_rank(kind: str, quantizer: quantizers.Quantizer, tp: int, rank: int):
     return held, table
 
 
-@pytest.mark.parametrize("kind,tp,name,block,by_loader", CASES, ids=IDS)
+@pytest.mark.parametrize(
+    "kind,tp,name,block,by_loader", [pytest.param(*c, id=i, marks=fp8_row("vllm", c[3])) for c, i in zip(CASES, IDS)]
+)
 def test_fp8_copy_map_equals_vllm_load_on_every_rank(kind, tp, name, block, by_loader):
     quantizer = quantizer_of(name, block)
     tensors = checkpoint(kind)

@@ -28,7 +28,10 @@ def engine_rank(kind: str, tp: int, ep: int, rank: int):
     return sglang_rank(config_dict(hf_config(kind)), tp, ep, rank, tensors)
 
 
-@pytest.mark.parametrize("kind,tp,ep", CASES, ids=[f"{k}-tp{t}-ep{e}" for k, t, e in CASES])
+@pytest.mark.parametrize("kind,tp,ep", [
+    pytest.param(k, t, e, id=f"{k}-tp{t}-ep{e}", marks=pytest.mark.conformance(engine="sglang", via=f"model {k}"))
+    for k, t, e in CASES
+])
 def test_copy_map_equals_sglang_load_on_every_rank(kind, tp, ep):
     tensors = checkpoint(kind)
     before = {name: t.clone() for name, t in tensors.items()}

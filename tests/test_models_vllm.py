@@ -33,7 +33,9 @@ for _kind in KINDS:
 CASES = [(kind, tp) for kind in KINDS for tp in (1, 2)]
 
 
-@pytest.mark.parametrize(("kind", "tp"), CASES, ids=[f"{k}-tp{tp}" for k, tp in CASES])
+@pytest.mark.parametrize(("kind", "tp"), [
+    pytest.param(k, t, id=f"{k}-tp{t}", marks=pytest.mark.conformance(engine="vllm", via=f"model {k}")) for k, t in CASES
+])
 def test_copy_map_equals_vllm_load_on_every_rank(kind, tp):
     for rank in range(tp):
         expected, table = engine_rank(kind, tp, rank, checkpoint(kind))

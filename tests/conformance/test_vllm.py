@@ -53,12 +53,14 @@ class TestToVllm(RoundTripTests):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
-class TestGatherFreeToVllm(RoundTripTests):
-    """FSDP2 with `Session(gather="auto")` through vLLM's weight-transfer flow: each trainer rank
-    writes the part of every vLLM rank that its own rows feed; checked as above."""
+@pytest.mark.parametrize("via", ["gather-free", "delta"])
+class TestWaysToVllm(RoundTripTests):
+    """FSDP2 with the session's other ways of updating, through vLLM's weight-transfer flow and
+    checked as above: gather-free (each trainer rank writes the part of every vLLM rank that its
+    own rows feed) and delta (after a full first update, only what changed)."""
 
-    conformance = {"engine": "vllm", "trainer": "fsdp2", "via": "gather-free"}
+    conformance = {"engine": "vllm", "trainer": "fsdp2"}
 
     @pytest.fixture
-    def round_trip(self, transport, worlds):
-        return worlds.round_trip("fsdp2", "vllm", transport, via="gather-free")
+    def round_trip(self, transport, via, worlds):
+        return worlds.round_trip("fsdp2", "vllm", transport, via=via)

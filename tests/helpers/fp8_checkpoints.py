@@ -13,6 +13,7 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
+import pytest
 import torch
 
 from tests.helpers.sglang_models import DEEPSEEK_CPU_ROPE, add_deepseek_fields, as_checkpoint
@@ -141,3 +142,8 @@ def fill_bytes(params: dict[str, torch.Tensor], value: int) -> None:
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def fp8_row(engine: str, block: int | None) -> pytest.MarkDecorator:
+    """The conformance row of an fp8 layout case: `engine` via its scale blocks."""
+    return pytest.mark.conformance(engine=engine, via=f"fp8 block [{block}, {block}]" if block else "fp8 per-tensor")

@@ -129,6 +129,8 @@ class P2PSyncTrainerInitInfo(TrainerInitInfo):
     check: bool = False
     #: `Session(gather=...)`: "auto" sends copies of the trainer's own shards without a gather.
     gather: str = "always"
+    #: `Session(delta=...)`: after a full update, send each engine rank only what changed.
+    delta: bool = False
 
 
 class EngineClients:
@@ -193,7 +195,7 @@ class P2PSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[P2PSyncTrai
         session = Session(
             source=source, transport=init_info.transport, transport_options=init_info.transport_options,
             rendezvous=rendezvous, bucket_bytes=init_info.bucket_bytes, transfer_timeout=init_info.transfer_timeout,
-            check=init_info.check, token=init_info.token, gather=init_info.gather,
+            check=init_info.check, token=init_info.token, gather=init_info.gather, delta=init_info.delta,
         )
         session.connect(init_info.engine_ids)
         return cls(client=client, source=source, rank=init_info.rank, session=session)

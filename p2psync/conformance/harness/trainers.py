@@ -230,8 +230,6 @@ class VllmConnection:
     ) -> None:
         from ...adapters.vllm import shim
 
-        if way == "delta":
-            raise ValueError("the vLLM harness does not run delta updates")
 
         shim.import_vllm()  # before any vLLM module: it selects the CPU platform
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
