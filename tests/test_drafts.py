@@ -9,6 +9,9 @@ import pytest
 pytest.importorskip("sglang", reason="sglang (p2psync[sglang], sglang==0.5.23) is not installed; run `tox -e conformance-sglang`")
 pytest.importorskip("transformers", reason="transformers is not installed")
 
+import os  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -97,6 +100,20 @@ def trainer_model() -> torch.nn.Module:
     return model
 
 
+@dataclass(frozen=True)
+class DraftRun:
+    """What the draft round trip runs: 2 FSDP2 trainer ranks, one sglang engine of TP ranks."""
+
+    dump_dir: str
+    trainers: int = 2
+    engines: int = TP
+    updates: int = 2
+    transport: str = "mooncake"
+    bucket_bytes: int = 64 << 10
+    transfer_timeout: float = 60.0
+    job_id: str = field(default_factory=lambda: f"drafts-{os.getpid()}-{int(time.time())}")
+
+
 def engine_process(index: int, opts: Any, port: int, stop: Any) -> None:
     """Rank `index` of the engine: sglang's model and MTP draft on CPU (0xA5-filled), served with the
     draft; on stop, dumps every parameter and the derived MLA weights of target and draft."""
@@ -168,10 +185,8 @@ def trainer_process(rank: int, opts: Any, port: int, results: Any) -> None:
 def test_an_update_writes_target_and_draft_as_sglangs_loads_make_them(tmp_path):
     pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is not installed")
     from p2psync.conformance.harness import launch
-    from p2psync.demo import DemoOptions
 
-    opts = DemoOptions(trainers=2, engines=TP, updates=2, transport="mooncake", bucket_bytes=64 << 10,
-                       progress=False, dump_dir=str(tmp_path))
+    opts = DraftRun(dump_dir=str(tmp_path))
     result = launch(opts, engine_process, trainer_process)
     assert result["buckets"] > 1
     for report in result["reports"]:  # one pause per update; the digests of target and draft checked
