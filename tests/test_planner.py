@@ -211,11 +211,8 @@ def test_setup_prints_published_beside_predicted(capsys: pytest.CaptureFixture[s
 
 def test_sglang_meta_shapes_equal_analytic() -> None:
     """The real engine code (sglang's rank model on meta, via the adapter's shim) against the analytic model."""
-    from p2psync.planner.engine import sglang_available, sglang_shapes
-
-    ok, why = sglang_available()
-    if not ok:
-        pytest.skip(f"sglang cannot be used here: {why}")
+    pytest.importorskip("sglang", reason="sglang (p2psync[sglang]) is not installed; run `tox -e conformance-sglang`")
+    from p2psync.planner.engine import sglang_shapes
     from tests.helpers.sglang_models import config_dict, hf_config
 
     cases = [(config_dict(hf_config(kind)), tp, ep) for kind, tp, ep in
@@ -244,11 +241,9 @@ def test_sglang_meta_shapes_equal_analytic() -> None:
 def test_fp8_shapes_sglang_does_not_build_are_analytic_saying_why() -> None:
     """GLM-4.5-Air at TP 8 splits its MoE rows into 1368, which [128, 128] blocks do not divide:
     sglang refuses the engine, and the planner says so and models it analytically."""
-    from p2psync.planner.engine import sglang_available, shapes_for
+    pytest.importorskip("sglang", reason="sglang (p2psync[sglang]) is not installed; run `tox -e conformance-sglang`")
+    from p2psync.planner.engine import shapes_for
 
-    ok, why = sglang_available()
-    if not ok:
-        pytest.skip(f"sglang cannot be used here: {why}")
     real = shapes_for(preset("Kimi-K2"), 8, 8, "fp8")
     assert real.source.startswith("shapes from sglang")
     refused = shapes_for(preset("GLM-4.5-Air"), 8, 8, "fp8")

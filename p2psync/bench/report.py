@@ -155,6 +155,10 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
+#: The prefix of each p2psync way's memory figures (transfer buffers, largest gathered group, gathers' peak).
+MEMORY_KEYS = {"p2p": "", "gather-free": "gather-free_"}
+
+
 def trainer_memory(memory: Mapping[str, int], gathers_of: Mapping[str, str]) -> dict[str, Any]:
     """One trainer rank's memory figures, with each p2psync way's bound: what an update may add
     to the rank's RSS, from the first update on, is its two transfer buffers (their pages are
@@ -164,7 +168,7 @@ def trainer_memory(memory: Mapping[str, int], gathers_of: Mapping[str, str]) -> 
     beside `INTERPRETER_BYTES` of the interpreter's own. Gather-free, only the groups that are
     not copies are gathered: with none, its bound is its transfer buffers alone."""
     out: dict[str, Any] = dict(memory)
-    for way, prefix in (("p2p", ""), ("gather-free", "gather-free_")):
+    for way, prefix in MEMORY_KEYS.items():
         if f"{way}_first_added_bytes" not in memory or way not in gathers_of:
             continue
         gathers = gathers_of[way]
@@ -246,7 +250,7 @@ def _memory_line(trainer: str, m: Mapping[str, Any], ways: Sequence[str]) -> str
     for way in ways:
         line = f"{way} first {_mb(m[f'{way}_first_added_bytes'])}, later {_mb(m.get(f'{way}_later_added_bytes', 0))}"
         if f"{way}_bound_bytes" in m:
-            prefix = "gather-free_" if way == "gather-free" else ""
+            prefix = MEMORY_KEYS[way]
             line += (
                 f"; bound {_mb(m[f'{way}_bound_bytes'])} = 2 transfer buffers {_mb(m[f'{prefix}transfer_buffers_bytes'])}"
                 f" + largest gathered group {_mb(m[f'{prefix}largest_group_bytes'])} + one bucket's gathers "

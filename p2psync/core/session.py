@@ -378,7 +378,7 @@ class Session:
                     units[unit] = _Unit(unit, layout, [table])  # its first table: the parameters
                     groups_of[unit] = self._own_groups(table, layout, mine)
 
-        packed = self._gather_free(units, groups_of, held)
+        packed = self._gather_free(units, groups_of, held, mine)
         groups_of = {u: [g for g in gs if g not in packed.get(u, {})] for u, gs in groups_of.items()}
         plan_targets = [
             PlanTarget(table.target, unit, sum(g.nbytes for g in groups_of[unit]))
@@ -483,12 +483,13 @@ class Session:
         units: Mapping[str, _Unit],
         groups_of: Mapping[str, list[ParamGroup]],
         every_rank: Sequence[Mapping[str, tuple[tuple[int, int], ...]]],
+        mine: Mapping[str, ParamSpec],
     ) -> dict[str, dict[ParamGroup, Packing]]:
         """Per unit, the packings of the groups this rank sends without a gather: groups of
         copies (`Layout.copy_runs`) whose inputs the ranks of the sender group hold in parts
         (`every_rank`: each world rank's) that cover each tensor exactly once."""
         ranges = every_rank[self.rank]
-        held = self._held_once(ranges, every_rank)
+        held = self._held_once(ranges, every_rank, mine)
         if not held:
             return {}
         out: dict[str, dict[ParamGroup, Packing]] = {}
@@ -504,11 +505,13 @@ class Session:
         return out
 
     def _held_once(
-        self, ranges: Mapping[str, tuple[tuple[int, int], ...]], every_rank: Sequence[Mapping[str, Any]]
+        self,
+        ranges: Mapping[str, tuple[tuple[int, int], ...]],
+        every_rank: Sequence[Mapping[str, Any]],
+        mine: Mapping[str, ParamSpec],
     ) -> set[str]:
         """The HF tensors whose parts, over the ranks of this rank's sender group, cover every
         element exactly once."""
-        mine = {s.name: s for s in self.source.param_specs()}
         out = set()
         for name in ranges:
             spans = []

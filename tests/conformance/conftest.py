@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from p2psync.conformance.harness import World
-from p2psync.conformance.harness.trainers import SESSION_WAYS
+from p2psync.conformance.harness.trainers import SESSION_WAYS, trainer_kind
 from p2psync.conformance.plugin import combination
 from tests.helpers.matrix import BRIDGE_MODEL, WORLDS
 
@@ -30,7 +30,7 @@ class Worlds:
         key = (engine, device, bridge)
         if key not in self.worlds:
             runs = tuple(dict.fromkeys(
-                (_kind(c["trainer"], c.get("via", "-")), c["transport"]) for c in map(combination, self.session.items)
+                (trainer_kind(c["trainer"], c.get("via", "-")), c["transport"]) for c in map(combination, self.session.items)
                 if c and c.get("engine") == engine and c["device"] == device and c.get("via", "-") in SESSION_WAYS
                 and c.get("transport", "-") != "-" and c.get("trainer", "-") != "-"
                 and (c["trainer"] == "megatron-bridge") == bridge
@@ -38,11 +38,7 @@ class Worlds:
             opts = replace(WORLDS[engine], model=BRIDGE_MODEL) if bridge else WORLDS[engine]
             dump = self.folder / f"{engine}-{device}{'-bridge' if bridge else ''}"
             self.worlds[key] = World(replace(opts, runs=runs, device=device, dump_dir=str(dump)))
-        return self.worlds[key].round_trip(_kind(trainer, via), transport)
-
-
-def _kind(trainer: str, via: str) -> str:
-    return trainer if via == "-" else f"{trainer}/{via}"
+        return self.worlds[key].round_trip(trainer_kind(trainer, via), transport)
 
 
 @pytest.fixture(scope="session")

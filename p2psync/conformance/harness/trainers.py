@@ -31,6 +31,11 @@ if TYPE_CHECKING:
 SESSION_WAYS: dict[str, dict[str, Any]] = {"-": {}, "gather-free": {"gather": "auto"}, "delta": {"delta": True}}
 
 
+def trainer_kind(source: str, way: str) -> str:
+    """The world trainer kind that runs `source` with its session updating `way` (a key of SESSION_WAYS)."""
+    return source if way == "-" else f"{source}/{way}"
+
+
 def split_kind(kind: str) -> tuple[str, str]:
     """A world's trainer kind as (the trainer source, its way of updating: a key of SESSION_WAYS)."""
     source, _, way = kind.partition("/")
