@@ -14,17 +14,17 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     __version__ = "0+unknown"
 
 if TYPE_CHECKING:
-    from .core.endpoint import EngineEndpoint, EngineHooks
+    from .engine.endpoint import EngineEndpoint, EngineHooks
     from .core.rendezvous import Rendezvous
     from .core.report import UpdateReport
-    from .core.session import Session
+    from .trainer.session import Session
 
 _EXPORTS = {
-    "Session": "p2psync.core.session",
+    "Session": "p2psync.trainer.session",
     "Rendezvous": "p2psync.core.rendezvous",
     "UpdateReport": "p2psync.core.report",
-    "EngineEndpoint": "p2psync.core.endpoint",
-    "EngineHooks": "p2psync.core.endpoint",
+    "EngineEndpoint": "p2psync.engine.endpoint",
+    "EngineHooks": "p2psync.engine.endpoint",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

@@ -3,8 +3,8 @@
 Each engine is its own process holding a transformers model; each trainer rank is a
 process in a gloo world training the same architecture with FSDP2. After every training
 step the trainer syncs its weights into the engines, verifies them by digest, and checks
-that a greedy generation on each engine equals the trainer's own. It is one world of the
-conformance harness (`p2psync.conformance.harness`), which the round trips also run.
+that a greedy generation on each engine equals the trainer's own. It is one world of
+`p2psync.worlds`, the runtime the conformance round trips also run.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .conformance.harness import ModelSpec, RunResult, WorldOptions, run_world
+from .worlds import ModelSpec, RunResult, WorldOptions, run_world
 
 #: Model sizes: a ~100M-parameter Qwen3-style model for the demo, a tiny one for tests.
 CONFIGS: dict[str, dict[str, Any]] = {

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2psync.core.buckets import make_buckets
+from p2psync.trainer.buckets import make_buckets
 from p2psync.core.errors import ConnectError
 from p2psync.core.layout import ParamGroup
 from p2psync.core.types import ParamSpec

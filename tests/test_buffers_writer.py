@@ -19,11 +19,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2psync.core.buffers import BufferPool, Lease
+from p2psync.trainer.buffers import BufferPool, Lease
 from p2psync.core.errors import ControlError, TransferError, TransferTimeout
 from p2psync.core.transport import Peer, Transport, WriteBatch
 from p2psync.core.types import TargetId, TargetTable
-from p2psync.core.writer import EngineWriter, WriteJob
+from p2psync.trainer.writer import EngineWriter, WriteJob
 
 # -- transports ------------------------------------------------------------------------------
 

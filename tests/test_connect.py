@@ -19,7 +19,7 @@ from p2psync.adapters.torch.target import TorchEngineTarget  # noqa: E402
 from p2psync.core.control import post  # noqa: E402
 from p2psync.core.errors import ConnectError  # noqa: E402
 from p2psync.core.rendezvous import Rendezvous  # noqa: E402
-from p2psync.core.session import Session  # noqa: E402
+from p2psync.trainer.session import Session  # noqa: E402
 from p2psync.core.types import TargetParam, TargetTable  # noqa: E402
 from p2psync.transports.mooncake.transport import MooncakeTransport  # noqa: E402
 

@@ -15,13 +15,13 @@ pytest.importorskip("transformers", reason="the engine is a transformers model")
 
 
 from p2psync.adapters.torch.target import TorchEngineTarget  # noqa: E402
-from p2psync.conformance.harness import WorldOptions, join_trainer_world, launch  # noqa: E402
-from p2psync.conformance.harness.engines import engine_main  # noqa: E402
-from p2psync.core.endpoint import EndpointControl  # noqa: E402
+from p2psync.worlds import WorldOptions, join_trainer_world, launch  # noqa: E402
+from p2psync.worlds.engines import engine_main  # noqa: E402
+from p2psync.engine.endpoint import EndpointControl  # noqa: E402
 from p2psync.core.errors import ConnectError  # noqa: E402
 from p2psync.core.layout import Layout, ParamGroup  # noqa: E402
 from p2psync.core.plugins import Registry  # noqa: E402
-from p2psync.core.session import Session  # noqa: E402
+from p2psync.trainer.session import Session  # noqa: E402
 from p2psync.core.source import TrainerSource  # noqa: E402
 from p2psync.core.types import ParamSpec, Region, SenderGroup, TargetTable  # noqa: E402
 from tests.helpers.doubles import CountingTransport, DictSource  # noqa: E402

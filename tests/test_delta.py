@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2psync.core.baseline import BaselineStore
+from p2psync.trainer.baseline import BaselineStore
 from p2psync.core.delta import (
     PatchRecord,
     _diff_device,
@@ -21,10 +21,10 @@ from p2psync.core.delta import (
     record_bytes,
     unpack_bits,
 )
-from p2psync.core.delta_send import DeltaOptions, parse_delta
+from p2psync.trainer.delta_send import DeltaOptions, parse_delta
 from p2psync.core.errors import OptionsError
 from p2psync.core.layout import ParamGroup
-from p2psync.core.patch import PatchArea, _scatter_device, _scatter_host
+from p2psync.engine.patch import PatchArea, _scatter_device, _scatter_host
 
 DTYPES = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 

@@ -14,7 +14,7 @@ from tests.helpers.engines import engines, small_model, wait_for  # noqa: E402
 
 from p2psync.adapters.fsdp2 import FSDP2Source  # noqa: E402
 from p2psync.core.control import post  # noqa: E402
-from p2psync.core.session import Session  # noqa: E402
+from p2psync.trainer.session import Session  # noqa: E402
 
 LR = 3e-5
 #: Seconds an engine process may take to publish its table: a loaded machine starts them slowly.

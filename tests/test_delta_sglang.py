@@ -17,9 +17,9 @@ import transformers  # noqa: E402
 from p2psync.adapters.fsdp2 import FSDP2Source  # noqa: E402
 from p2psync.adapters.sglang import serve  # noqa: E402
 from p2psync.adapters.sglang.shim import RankSpec, build_rank_model  # noqa: E402
-from p2psync.conformance.harness.expected import SGLANG_FILL  # noqa: E402
+from p2psync.worlds.oracles import SGLANG_FILL  # noqa: E402
 from p2psync.core.rendezvous import Rendezvous  # noqa: E402
-from p2psync.core.session import Session  # noqa: E402
+from p2psync.trainer.session import Session  # noqa: E402
 
 TP = 2
 

@@ -151,8 +151,8 @@ def trainer_process(rank: int, opts: Any, port: int, results: Any) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from p2psync.adapters.fsdp2 import FSDP2Source
-    from p2psync.core.session import Session
-    from p2psync.conformance.harness import join_trainer_world
+    from p2psync.trainer.session import Session
+    from p2psync.worlds import join_trainer_world
 
     model = trainer_model()
     rendezvous = join_trainer_world(rank, opts, port)
@@ -184,7 +184,7 @@ def trainer_process(rank: int, opts: Any, port: int, results: Any) -> None:
 @pytest.mark.conformance(trainer="fsdp2", engine="sglang", transport="mooncake", via="MTP draft")
 def test_an_update_writes_target_and_draft_as_sglangs_loads_make_them(tmp_path):
     pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is not installed")
-    from p2psync.conformance.harness import launch
+    from p2psync.worlds import launch
 
     opts = DraftRun(dump_dir=str(tmp_path))
     result = launch(opts, engine_process, trainer_process)

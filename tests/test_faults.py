@@ -16,10 +16,10 @@ import torch  # noqa: E402
 from tests.helpers.engines import small_model  # noqa: E402
 
 from p2psync.adapters.fsdp2 import FSDP2Source  # noqa: E402
-from p2psync.conformance.harness.faults import corrupting  # noqa: E402
+from p2psync.conformance.faults import corrupting  # noqa: E402
 from p2psync.core.control import post  # noqa: E402
 from p2psync.core.errors import TransferError, TransferTimeout  # noqa: E402
-from p2psync.core.session import Session  # noqa: E402
+from p2psync.trainer.session import Session  # noqa: E402
 from p2psync.core.types import TargetId  # noqa: E402
 from p2psync.transports.mooncake.transport import MooncakePeer, MooncakeTransport  # noqa: E402
 

@@ -20,10 +20,10 @@ from torch import nn
 
 from p2psync.conformance import EngineCase, EngineTargetTests
 from p2psync.conformance.base import specs_of
-from p2psync.core.endpoint import EndpointControl, EngineEndpoint
+from p2psync.engine.endpoint import EndpointControl, EngineEndpoint
 from p2psync.core.errors import ConnectError
 from p2psync.core.rendezvous import Rendezvous
-from p2psync.core.session import Session
+from p2psync.trainer.session import Session
 from p2psync.core.types import TargetParam, TargetTable
 from p2psync.layouts import EngineQuantization, RankModel, RankModelTarget, quantizers
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from p2psync.core.layout import Layout, ParamGroup
-from p2psync.core.session import _narrower_dtypes
+from p2psync.trainer.session import _narrower_dtypes
 from p2psync.core.types import ParamSpec
-from p2psync.conformance.harness import free_port
+from p2psync.worlds import free_port
 
 #: Uneven first dimensions over 2 ranks (torch.chunk leaves the last shard shorter), 1-D to 3-D.
 SHAPES = [(5,), (7, 3), (1, 4), (4, 4, 2), (3,)]

@@ -106,7 +106,7 @@ def source_shapes(kinds: tuple[str, ...], results: Any) -> None:
     from megatron.core import parallel_state as ps
 
     from p2psync.adapters.megatron import MegatronSource
-    from p2psync.conformance.harness import free_port
+    from p2psync.worlds import free_port
 
     configs = {kind: hf_config(kind) for kind in kinds}
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2psync.core.plan import PlanTarget, build_plan, unit_of
+from p2psync.trainer.plan import PlanTarget, build_plan, unit_of
 from p2psync.core.types import TargetId
 
 SETTINGS = settings(max_examples=100, deadline=None)

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from tests.helpers.engines import engines, small_model  # noqa: E402
 
 from p2psync.adapters.fsdp2 import FSDP2Source  # noqa: E402
-from p2psync.core.session import Session  # noqa: E402
+from p2psync.trainer.session import Session  # noqa: E402
 from p2psync.transports.mooncake.transport import MooncakeTransport  # noqa: E402
 
 ENDPOINTS = 8

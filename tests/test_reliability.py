@@ -34,10 +34,10 @@ from tests.helpers.engines import RecordingTransport, engines, small_model, wait
 from p2psync.adapters.fsdp2 import FSDP2Source  # noqa: E402
 from p2psync.adapters.torch import serve  # noqa: E402
 from p2psync.core.control import ControlServer, post  # noqa: E402
-from p2psync.core.endpoint import EndpointControl, EngineHooks  # noqa: E402
+from p2psync.engine.endpoint import EndpointControl, EngineHooks  # noqa: E402
 from p2psync.core.errors import ConnectError, ControlError, P2PSyncError, RendezvousError, UpdateError  # noqa: E402
 from p2psync.core.rendezvous import Rendezvous  # noqa: E402
-from p2psync.core.session import Session  # noqa: E402
+from p2psync.trainer.session import Session  # noqa: E402
 from p2psync.core.types import TargetParam, TargetTable  # noqa: E402
 
 TIMEOUT = 3.0

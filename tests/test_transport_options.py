@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from p2psync.core.endpoint import EngineEndpoint
+from p2psync.engine.endpoint import EngineEndpoint
 from p2psync.core.errors import OptionsError
 from p2psync.core.plugins import registry
-from p2psync.core.session import Session
+from p2psync.trainer.session import Session
 
 BUILT_IN = ("mooncake", "nixl", "samehost", "torchdist")
 

@@ -21,15 +21,15 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..core import collectives
+from ..trainer import collectives
 from ..core.types import numel
 from . import broadcast, engines, results, rss, verify
 from .runner import GROUP_TIMEOUT, BenchOptions, _controls, bench_engine
 from .ways import BroadcastWay, P2PWay, Way
 
 if TYPE_CHECKING:
-    from ..conformance.harness.models import Trainer
-    from ..core.session import Session
+    from ..worlds.models import Trainer
+    from ..trainer.session import Session
 
 WAYS = ("p2p-delta", "p2p", "broadcast")
 #: The engines' dtype in delta runs unless given: float32 engines see nearly every element change.
@@ -37,7 +37,7 @@ DELTA_ENGINE_DTYPE = "bfloat16"
 
 
 def _sessions(opts: BenchOptions, source: Any, rendezvous: Any) -> tuple[Session, Session]:
-    from ..core.session import Session
+    from ..trainer.session import Session
 
     def make(delta: bool) -> Session:
         return Session(
@@ -69,8 +69,8 @@ def _measure(way: Way, progress: Callable[[], object]) -> dict[str, Any]:
 def delta_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> None:
     """A trainer rank of `p2psync bench --delta` (see the module's docstring)."""
     from ..adapters.fsdp2 import FSDP2Source
-    from ..conformance.harness import start_fsdp2
-    from ..conformance.harness.models import Trainer
+    from ..worlds import start_fsdp2
+    from ..worlds.models import Trainer
 
     rss.return_freed_memory()
     rendezvous, model = start_fsdp2(rank, engines.torch_world(opts), port)
@@ -189,7 +189,7 @@ def run_delta_bench(opts: BenchOptions) -> dict[str, Any]:
     """Run `p2psync bench --delta` (torch engines); the JSON-ready result.
 
     Raises ValueError for options it cannot run, RuntimeError if a process failed."""
-    from ..conformance.harness import launch
+    from ..worlds import launch
 
     if opts.engine != "torch":
         raise ValueError("--delta runs torch engines (its trainer takes real steps on the dense Qwen3 model)")

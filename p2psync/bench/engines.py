@@ -20,8 +20,8 @@ from .broadcast import Load
 if TYPE_CHECKING:
     import torch
 
-    from ..conformance.harness import WorldOptions
-    from ..core.endpoint import EngineEndpoint
+    from ..worlds import WorldOptions
+    from ..engine.endpoint import EngineEndpoint
     from ..core.rendezvous import Rendezvous
     from .runner import BenchOptions
 
@@ -95,7 +95,7 @@ def start_rank(index: int, opts: BenchOptions, port: int) -> EngineRank:
     import torch
 
     if opts.engine == "torch":
-        from ..conformance.harness import start_engine
+        from ..worlds import start_engine
 
         endpoint = start_engine(index, torch_world(opts), port).endpoint
         assert endpoint is not None
@@ -128,7 +128,7 @@ def start_rank(index: int, opts: BenchOptions, port: int) -> EngineRank:
 def start_trainer(rank: int, opts: BenchOptions, port: int) -> tuple[Rendezvous, Any]:
     """Join the trainer world; return the rendezvous and the FSDP2 source of the model."""
     from ..adapters.fsdp2 import FSDP2Source
-    from ..conformance.harness import join_trainer_world, start_fsdp2
+    from ..worlds import join_trainer_world, start_fsdp2
 
     if opts.engine == "torch":
         rendezvous, module = start_fsdp2(rank, torch_world(opts), port)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..conformance.harness import launch
+from ..worlds import launch
 from ..core.types import ParamSpec, numel
 from ..demo import DemoOptions
 from . import broadcast, engines, limits, results, rss, verify
@@ -124,7 +124,7 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
     import torch.distributed as dist
     from tqdm import tqdm
 
-    from ..core.session import Session
+    from ..trainer.session import Session
 
     rss.return_freed_memory()  # before the model exists: every way runs under the same allocator settings
     rendezvous, source = engines.start_trainer(rank, opts, port)

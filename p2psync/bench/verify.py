@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..core.endpoint import EndpointControl
+from ..engine.endpoint import EndpointControl
 from ..core.rendezvous import Rendezvous
 from ..core.types import Region
 

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from ..core.engine import EngineControl
     from ..core.report import UpdateReport
-    from ..core.session import Session
+    from ..trainer.session import Session
     from ..core.source import TrainerSource
 
 Progress = Callable[[], object]

@@ -5,10 +5,11 @@ fixtures (`TransportTests.make_transport`, `EngineTargetTests.engine_case`,
 `TrainerSourceTests.source_case`, `RoundTripTests.round_trip`); pytest collects
 the inherited tests. The pytest plugin (`p2psync.conformance.plugin`, loaded
 through the `pytest11` entry point) adds the options that pick adapters and the
-trainer x engine x transport table at the end of a run. `harness` starts the
-trainer and engine processes that round trips run (and the demo and the bench).
+trainer x engine x transport table at the end of a run. Round trips run on
+`p2psync.worlds`, the runtime that starts trainer and engine processes (the demo and
+the bench run on it too).
 
-The base classes import pytest, so they load on first use: the harness runs without it.
+The base classes import pytest, so they load on first use.
 """
 
 from __future__ import annotations

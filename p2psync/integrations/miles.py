@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..core.report import UpdateReport
-    from ..core.session import Session
+    from ..trainer.session import Session
     from ..core.source import TrainerSource
 
 log = logging.getLogger(__name__)
@@ -154,10 +154,10 @@ class P2PSyncUpdateWeight:
     def _ensure_session(self) -> Session:
         if self._session is not None:
             return self._session
-        from ..core import collectives
+        from ..trainer import collectives
         from ..core.plugins import registry
         from ..core.rendezvous import Rendezvous
-        from ..core.session import DEFAULT_BUCKET_BYTES, Session
+        from ..trainer.session import DEFAULT_BUCKET_BYTES, Session
 
         address = setting(self.args, "rendezvous")
         if not address:

@@ -46,9 +46,9 @@ from .iterable import IterableSource
 if TYPE_CHECKING:
     import torch
 
-    from ..core.endpoint import EngineEndpoint
+    from ..engine.endpoint import EngineEndpoint
     from ..core.rendezvous import Rendezvous
-    from ..core.session import Session
+    from ..trainer.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class P2PSyncCheckpointEngine(CheckpointEngine):
 
     def prepare(self) -> dict[str, Any]:
         if self.role == "actor":
-            from ..core import collectives
+            from ..trainer import collectives
 
             return {"role": "actor", "rank": collectives.world_rank()}
         return {"role": "rollout", "engine_id": self._own_engine_id()}
@@ -139,7 +139,7 @@ class P2PSyncCheckpointEngine(CheckpointEngine):
         if self.role == "actor":
             self._engines = list(engines or [])
             if self._session is None:
-                from ..core.session import Session
+                from ..trainer.session import Session
 
                 self._source = IterableSource()
                 self._session = Session(

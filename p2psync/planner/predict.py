@@ -25,7 +25,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.plan import Plan, PlanTarget, build_plan, unit_of
+from ..trainer.plan import Plan, PlanTarget, build_plan, unit_of
 from ..core.types import TargetId
 from .cluster import Cluster
 from .shapes import ShapeModel

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2psync.conformance.harness.world import trainer_unavailable
+from p2psync.worlds.world import trainer_unavailable
 
 
 @pytest.mark.slow

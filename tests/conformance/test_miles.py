@@ -12,7 +12,7 @@ engine_gpu_counts=..., engine_gpu_offsets=...)`), a gloo barrier,
 `update_weights()`, `pop_metrics()`.
 
 Two trainers, both over Mooncake, both bit-exact at the end against an oracle that
-does not call p2psync (see `p2psync.conformance.harness`):
+does not call p2psync (see `p2psync.worlds`):
 - what these frameworks run: a Megatron-Core TP 2 trainer (the `megatron`
   source, selected by `p2psync_source`) into 2 sglang engines of TP 2, each
   rank its own process; every rank holds what sglang's own loader makes of the
@@ -34,10 +34,10 @@ from typing import Any
 import pytest
 
 from p2psync.conformance import RoundTripTests
-from p2psync.conformance.harness import WorldOptions, launch
-from p2psync.conformance.harness.engines import engine_main
-from p2psync.conformance.harness.trainers import TRAINERS, dump, harness_urls
-from p2psync.conformance.harness.world import expected_bytes, held, pair_up, trainer_unavailable
+from p2psync.worlds import WorldOptions, launch
+from p2psync.worlds.engines import engine_main
+from p2psync.worlds.trainers import TRAINERS, dump, harness_urls
+from p2psync.worlds.world import expected_bytes, held, pair_up, trainer_unavailable
 from p2psync.integrations.miles import P2PSyncUpdateWeight, P2PSyncWeightUpdater
 from tests.helpers.matrix import WORLDS, usable
 

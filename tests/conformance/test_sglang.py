@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from p2psync.conformance import EngineCase, EngineTargetTests, RoundTripTests
-from p2psync.conformance.harness.expected import SGLANG_FILL
+from p2psync.worlds.oracles import SGLANG_FILL
 from p2psync.core.types import TargetParam, TargetTable
 from tests.helpers.matrix import TRANSPORTS, usable
 

@@ -26,11 +26,11 @@ import torch
 from p2psync.adapters.fsdp2 import FSDP2Source
 from p2psync.adapters.sglang.server import http, publish_server
 from p2psync.adapters.sglang.server_plugin import ENDPOINT_ENV
-from p2psync.conformance.harness import PROMPT, TINY_QWEN3, ModelSpec, free_port, greedy
+from p2psync.worlds import PROMPT, TINY_QWEN3, ModelSpec, free_port, greedy
 from p2psync.core.control import post
 from p2psync.core.errors import ControlError
 from p2psync.core.rendezvous import Rendezvous
-from p2psync.core.session import Session
+from p2psync.trainer.session import Session
 from tests.helpers.matrix import usable
 
 STARTUP_TIMEOUT = 420
@@ -155,8 +155,8 @@ KILLED_TRAINER = """
 import os, signal, sys
 from p2psync.adapters.fsdp2 import FSDP2Source
 from p2psync.core.rendezvous import Rendezvous
-from p2psync.core.session import Session
-from p2psync.conformance.harness import TINY_QWEN3, ModelSpec
+from p2psync.trainer.session import Session
+from p2psync.worlds import TINY_QWEN3, ModelSpec
 
 port, lease = int(sys.argv[1]), float(sys.argv[2])
 trainer = ModelSpec(config={**TINY_QWEN3, "vocab_size": 256}).build(seed=2)

@@ -11,7 +11,7 @@ import torch
 
 from p2psync.core.errors import ConnectError
 from p2psync.core.rendezvous import Rendezvous
-from p2psync.core.session import Session
+from p2psync.trainer.session import Session
 from p2psync.core.source import TrainerSource
 from p2psync.core.types import ParamSpec, SenderGroup, TargetTable
 from p2psync.transports.mooncake.transport import MooncakeTransport

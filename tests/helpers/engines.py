@@ -79,7 +79,7 @@ def engine_process(
     endpoint's routes: `state` returns every parameter's bytes (hex), read by tests as
     the engine holds them; `poke` flips the bits of one byte of parameter `name`."""
     from p2psync.adapters.torch import serve
-    from p2psync.core.endpoint import EngineHooks
+    from p2psync.engine.endpoint import EngineHooks
     from p2psync.core.logs import configure
 
     configure(f"{engine_id} rank 0")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from p2psync.conformance.harness import ModelSpec, WorldOptions
-from p2psync.conformance.harness.world import unavailable
+from p2psync.worlds import ModelSpec, WorldOptions
+from p2psync.worlds.world import unavailable
 
 #: The built-in transports, each run against every engine world.
 TRANSPORTS = ("mooncake", "nixl", "samehost", "torchdist")

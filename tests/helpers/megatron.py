@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from p2psync.conformance.harness import TINY_QWEN3, ModelSpec, free_port
-from p2psync.conformance.harness.megatron import Case, bridge_deepseek_registry, load_hf, logits_differ, megatron_model
+from p2psync.worlds import TINY_QWEN3, ModelSpec, free_port
+from p2psync.worlds.megatron import Case, bridge_deepseek_registry, load_hf, logits_differ, megatron_model
 
 HF_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2": dict(

@@ -12,10 +12,10 @@ import torch
 
 from p2psync.adapters.fsdp2 import FSDP2Source
 from p2psync.core.control import post
-from p2psync.core.endpoint import EngineEndpoint
+from p2psync.engine.endpoint import EngineEndpoint
 from p2psync.core.errors import ConnectError
 from p2psync.core.rendezvous import Rendezvous
-from p2psync.core.session import Session
+from p2psync.trainer.session import Session
 from p2psync.core.transport import Transport
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from p2psync.conformance.harness.expected import SGLANG_FILL, sglang_loaded
+from p2psync.worlds.oracles import SGLANG_FILL, sglang_loaded
 from p2psync.core.types import ParamSpec, TargetParam, TargetTable
 
 _COMMON = dict(vocab_size=160, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128)

@@ -13,7 +13,7 @@ import torch
 
 from p2psync.adapters.vllm import shim
 from p2psync.adapters.vllm.key import layout_key
-from p2psync.conformance.harness.expected import vllm_loaded
+from p2psync.worlds.oracles import vllm_loaded
 from p2psync.core.types import ParamSpec, TargetParam, TargetTable
 
 #: Tiny configs: KV heads fewer than some TP sizes (replication), vocab not a multiple of

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ...core.endpoint import EndpointOptions, EngineEndpoint, EngineHooks
+from ...engine.endpoint import EndpointOptions, EngineEndpoint, EngineHooks
 from ...core.transport import Transport
 from .key import fp8_config, layout_key
 from .shim import TargetAndDraft, fp8_post_load_settings, hf_config_dict, post_load

@@ -20,7 +20,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ...core.endpoint import EndpointControl
+from ...engine.endpoint import EndpointControl
 from ...core.engine import EngineControl
 from ...core.errors import ConnectError, ControlError, RendezvousError, where
 from ...core.types import Region, TargetParam, TargetTable

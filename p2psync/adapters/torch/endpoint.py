@@ -6,7 +6,7 @@ import hashlib
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ...core.endpoint import EndpointOptions, EngineEndpoint
+from ...engine.endpoint import EndpointOptions, EngineEndpoint
 from ...core.transport import Transport
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from ...core.endpoint import EndpointControl
+from ...engine.endpoint import EndpointControl
 from ...core.engine import EngineControl, EngineTarget
 from ...core.errors import ConnectError, where
 from ...core.layout import CopyRun, Layout, ParamGroup

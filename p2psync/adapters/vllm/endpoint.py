@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ...core.endpoint import EndpointOptions, EngineEndpoint
+from ...engine.endpoint import EndpointOptions, EngineEndpoint
 from ...core.transport import Transport
 from .key import layout_key
 

@@ -15,7 +15,7 @@ from . import shim
 if TYPE_CHECKING:
     import torch
 
-    from ...core.endpoint import EngineEndpoint
+    from ...engine.endpoint import EngineEndpoint
     from ...core.rendezvous import Rendezvous
 
 

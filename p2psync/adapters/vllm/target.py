@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ...core.endpoint import EndpointControl
+from ...engine.endpoint import EndpointControl
 from ...core.engine import EngineControl
 from ...core.errors import ConnectError, where
 from ...core.types import TargetTable

@@ -32,10 +32,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from ...core.endpoint import EngineEndpoint
+from ...engine.endpoint import EngineEndpoint
 from ...core.rendezvous import Rendezvous
 from ...core.report import UpdateReport
-from ...core.session import DEFAULT_BUCKET_BYTES, Session
+from ...trainer.session import DEFAULT_BUCKET_BYTES, Session
 from ...core.source import TrainerSource
 from . import shim
 from .endpoint import serve

@@ -18,7 +18,7 @@ from p2psync.conformance import (
 )
 from p2psync.core.plugins import registry
 from p2psync.core.rendezvous import Rendezvous
-from p2psync.core.session import Session
+from p2psync.trainer.session import Session
 from p2psync.core.types import TargetParam, TargetTable
 
 PACKAGE = "p2psync-testplugin"

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from .delta import PatchRecord, elements, meta_bytes, popcount, unpack_bits
+from ..core.delta import PatchRecord, elements, meta_bytes, popcount, unpack_bits
 
 if TYPE_CHECKING:
     import numpy as np

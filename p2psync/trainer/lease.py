@@ -13,8 +13,8 @@ import logging
 import time
 from collections.abc import Mapping
 
-from .engine import EngineControl
-from .errors import ControlError
+from ..core.engine import EngineControl
+from ..core.errors import ControlError
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .types import TargetId
+from ..core.types import TargetId
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from . import collectives
 from .baseline import BaselineStore
 from .buffers import BufferPool, Lease
-from .delta import (
+from ..core.delta import (
     MAX_RECORD_ELEMENTS,
     Change,
     Kind,
@@ -38,14 +38,14 @@ from .delta import (
     piece,
     record_bytes,
 )
-from .layout import ParamGroup
-from .types import Region, TargetId, TargetTable, dtype_size
+from ..core.layout import ParamGroup
+from ..core.types import Region, TargetId, TargetTable, dtype_size
 
 if TYPE_CHECKING:
     import torch
 
-    from .report import UpdateReport
-    from .transport import Transport
+    from ..core.report import UpdateReport
+    from ..core.transport import Transport
 
 #: Per unit a sender serves: its tables and its groups in sending order.
 Served = Mapping[str, tuple[Sequence[TargetTable], Sequence[ParamGroup]]]
@@ -301,7 +301,7 @@ def _reseed(old: torch.Tensor, new: torch.Tensor, elem: int, change: Change) -> 
 
 def parse_delta(value: bool | Mapping[str, object] | DeltaOptions | None) -> DeltaOptions | None:
     """Session's `delta` argument: False/None (full updates), True (defaults), options."""
-    from .options import parse
+    from ..core.options import parse
 
     if value is None or value is False:
         return None

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .control import Refused
+from ..core.control import Refused
 
 
 @dataclass

@@ -14,7 +14,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .rendezvous import Rendezvous
+    from ..core.rendezvous import Rendezvous
 
 #: Seconds between beats; a rank is lost when its count did not move in `LOST_AFTER` beats.
 BEAT = 0.5

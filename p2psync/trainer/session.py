@@ -23,20 +23,20 @@ from . import collectives
 from .buckets import make_buckets
 from .buffers import BufferPool, Lease
 from .delta_send import DeltaOptions, DeltaSender, StagedPatch, parse_delta
-from .digest import byte_view, digest
-from .engine import EngineControl, EngineTarget
-from .errors import ConnectError, ControlError, P2PSyncError, TrainerLost, UpdateError, first_line, where
+from ..core.digest import byte_view, digest
+from ..core.engine import EngineControl, EngineTarget
+from ..core.errors import ConnectError, ControlError, P2PSyncError, TrainerLost, UpdateError, first_line, where
 from .gatherfree import Packing, compile_packing
-from .layout import ALIGN, Layout, ParamGroup, aligned
+from ..core.layout import ALIGN, Layout, ParamGroup, aligned
 from .lease import UpdateLease
 from .liveness import Heartbeat
 from .plan import Plan, PlanTarget, build_plan, unit_of
-from .plugins import Registry, registry as default_registry
-from .rendezvous import Rendezvous
-from .report import EngineReport, PhaseClock, UpdateReport
-from .source import TrainerSource
-from .transport import Peer, Transport, WriteBatch
-from .types import ParamSpec, Region, TargetId, TargetTable, numel
+from ..core.plugins import Registry, registry as default_registry
+from ..core.rendezvous import Rendezvous
+from ..core.report import EngineReport, PhaseClock, UpdateReport
+from ..core.source import TrainerSource
+from ..core.transport import Peer, Transport, WriteBatch
+from ..core.types import ParamSpec, Region, TargetId, TargetTable, numel
 from .writer import EngineWriter, WriteJob
 
 log = logging.getLogger(__name__)

@@ -24,21 +24,21 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
-from .control import ControlServer, Refused, post
-from .delta import PatchRecord
-from .digest import byte_view, digest
-from .engine import EngineControl
-from .engine_state import EngineState
-from .errors import ControlError, P2PSyncError, RendezvousError, first_line, where
-from .memory import device_of
+from ..core.control import ControlServer, Refused, post
+from ..core.delta import PatchRecord
+from ..core.digest import byte_view, digest
+from ..core.engine import EngineControl
+from .state import EngineState
+from ..core.errors import ControlError, P2PSyncError, RendezvousError, first_line, where
+from ..core.memory import device_of
 from .patch import PatchArea, default_area_bytes
-from .types import Region, TargetParam, TargetTable
+from ..core.types import Region, TargetParam, TargetTable
 
 if TYPE_CHECKING:
     import torch
 
-    from .rendezvous import Rendezvous
-    from .transport import Transport
+    from ..core.rendezvous import Rendezvous
+    from ..core.transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class EngineEndpoint:
     ) -> EngineEndpoint:
         """Create an endpoint over `transport` (an instance, or a registered name built with
         `transport_options`) and start it: what every engine adapter's `serve` does."""
-        from .plugins import registry
+        from ..core.plugins import registry
 
         transport = registry().make_transport(transport, transport_options)
         endpoint = cls(transport=transport, **fields)

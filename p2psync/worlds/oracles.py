@@ -30,7 +30,7 @@ def sglang_loaded(config: dict[str, Any], tp: int, ep: int, rank: int, tensors: 
     bytes, after sglang's own `load_weights` of `tensors`; `config` is the HF config.json."""
     import torch
 
-    from ...adapters.sglang.shim import RankSpec, build_rank_model
+    from ..adapters.sglang.shim import RankSpec, build_rank_model
 
     rank_model = build_rank_model(RankSpec(config, tp, ep, "bfloat16", rank), "cpu")
     for p in rank_model.model.parameters():
@@ -44,7 +44,7 @@ def vllm_loaded(config: Any, rank: int, tensors: Mapping[str, torch.Tensor], fil
     after vLLM's own `load_weights` of `tensors`."""
     import torch
 
-    from ...adapters.vllm import shim
+    from ..adapters.vllm import shim
 
     model = shim.build_model(config, rank, "cpu")
     for p in model.parameters():

@@ -7,12 +7,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .errors import TransferTimeout
+from ..core.errors import TransferTimeout
 
 if TYPE_CHECKING:
     import torch
 
-    from .transport import Transport
+    from ..core.transport import Transport
 
 
 class Lease:

@@ -18,13 +18,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .layout import Layout, ParamGroup, aligned
-from .types import Region, TargetParam
+from ..core.layout import Layout, ParamGroup, aligned
+from ..core.types import Region, TargetParam
 
 if TYPE_CHECKING:
     import torch
 
-    from .source import LocalShard
+    from ..core.source import LocalShard
 
 
 @dataclass

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .buffers import Lease
-from .errors import P2PSyncError, TransferError, where
-from .transport import Peer, WriteBatch
-from .types import TargetId
+from ..core.errors import P2PSyncError, TransferError, where
+from ..core.transport import Peer, WriteBatch
+from ..core.types import TargetId
 
 log = logging.getLogger(__name__)
 

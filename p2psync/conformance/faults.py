@@ -11,8 +11,8 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-from ...core.transport import Peer, Transport, WriteBatch
-from ...core.types import TargetId, TargetTable
+from ..core.transport import Peer, Transport, WriteBatch
+from ..core.types import TargetId, TargetTable
 
 
 class CorruptingPeer(Peer):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ...core.rendezvous import Rendezvous
+    from ..core.rendezvous import Rendezvous
 
 #: How long the launcher waits for a stopped process to exit before killing it (and failing its
 #: world). Tearing down a process that holds torch, transformers and Megatron took 18 s at a
@@ -73,7 +73,7 @@ def launch_worlds(
     processes for `trainers[i]`, default `opts.trainers`), each against the same engines; stop
     the engines. A failed world does not stop the next one; engines that died fail every
     world after them. `opts.job_id` names the job."""
-    from ...core.rendezvous import Rendezvous
+    from ..core.rendezvous import Rendezvous
 
     ctx = mp.get_context("spawn")
     server = Rendezvous(host="127.0.0.1", port=0, job_id=opts.job_id, is_server=True)
@@ -151,9 +151,9 @@ def join_trainer_world(rank: int, opts: Any, port: int, *, world_size: int | Non
     import torch
     import torch.distributed as dist
 
-    from ...core.devices import resolve
-    from ...core.logs import configure
-    from ...core.rendezvous import Rendezvous
+    from ..core.devices import resolve
+    from ..core.logs import configure
+    from ..core.rendezvous import Rendezvous
 
     configure(f"trainer {rank}")
     torch.set_num_threads(1)

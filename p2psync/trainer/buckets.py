@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from .errors import ConnectError
-from .layout import ParamGroup
-from .types import ParamSpec
+from ..core.errors import ConnectError
+from ..core.layout import ParamGroup
+from ..core.types import ParamSpec
 
 
 def make_buckets(

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .layout import ParamGroup, aligned
+from ..core.layout import ParamGroup, aligned
 
 if TYPE_CHECKING:
     import torch

@@ -16,15 +16,15 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .expected import SGLANG_FILL, vllm_loaded
+from .oracles import SGLANG_FILL, vllm_loaded
 from .models import greedy
 
 if TYPE_CHECKING:
     import torch
 
-    from ...core.control import ControlServer
-    from ...core.endpoint import EngineEndpoint
-    from ...core.rendezvous import Rendezvous
+    from ..core.control import ControlServer
+    from ..engine.endpoint import EngineEndpoint
+    from ..core.rendezvous import Rendezvous
     from .world import WorldOptions
 
 Route = Callable[[dict[str, Any]], dict[str, Any]]
@@ -101,13 +101,13 @@ class TorchRank(EngineRank):
     def __init__(self, engine_id: str, rank: int, rendezvous: Rendezvous, opts: WorldOptions, seed: int) -> None:
         import torch
 
-        from ...core.devices import resolve
+        from ..core.devices import resolve
 
         self.model = opts.model.build(seed).to(getattr(torch, opts.engine_dtype)).to(resolve(opts.device).device)
         super().__init__(engine_id, rank, rendezvous, {n: p.data for n, p in self.model.named_parameters()})
 
     def make_endpoint(self, transport: str) -> EngineEndpoint:
-        from ...adapters.torch import serve
+        from ..adapters.torch import serve
 
         return serve(self.model, engine_id=self.engine_id, rendezvous=self.rendezvous, transport=transport)
 
@@ -121,7 +121,7 @@ class SglangRank(EngineRank):
     def __init__(self, engine_id: str, rank: int, rendezvous: Rendezvous, opts: WorldOptions) -> None:
         import torch
 
-        from ...adapters.sglang.shim import RankSpec, build_rank_model
+        from ..adapters.sglang.shim import RankSpec, build_rank_model
 
         spec = RankSpec(opts.model.config_dict(), opts.engine_tp, 1, opts.engine_dtype, rank)
         self.rank_model = build_rank_model(spec, "cpu")
@@ -130,7 +130,7 @@ class SglangRank(EngineRank):
         super().__init__(engine_id, rank, rendezvous, {n: p.data for n, p in self.rank_model.model.named_parameters()})
 
     def make_endpoint(self, transport: str) -> EngineEndpoint:
-        from ...adapters.sglang import serve
+        from ..adapters.sglang import serve
 
         m = self.rank_model
         return serve(m.model, m.server_args, m.model_config, engine_id=self.engine_id, rank=self.rank,
@@ -145,13 +145,13 @@ class VllmRank(EngineRank):
     def __init__(self, engine_id: str, rank: int, rendezvous: Rendezvous, opts: WorldOptions, seed: int) -> None:
         import torch
 
-        from ...adapters.vllm import shim
+        from ..adapters.vllm import shim
 
         shim.import_vllm()  # before any vLLM module: it selects the CPU platform
         from vllm.config import WeightTransferConfig
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-        from ...adapters.vllm import vllm_plugin
+        from ..adapters.vllm import vllm_plugin
 
         self.config = shim.engine_config(opts.model.config_dict(), tp=opts.engine_tp, dtype=opts.engine_dtype)
         self._state = ExitStack()
@@ -195,9 +195,9 @@ def start_engine(index: int, opts: WorldOptions, port: int) -> EngineRank:
     vLLM: its trainer's init does) and the harness routes; return the rank."""
     import torch
 
-    from ...core.control import ControlServer
-    from ...core.logs import configure
-    from ...core.rendezvous import Rendezvous
+    from ..core.control import ControlServer
+    from ..core.logs import configure
+    from ..core.rendezvous import Rendezvous
 
     engine_id, rank = member(opts, index)
     configure(f"{engine_id} rank {rank}")

@@ -26,7 +26,7 @@ from .trainers import split_kind, trainer_main
 if TYPE_CHECKING:
     import torch
 
-    from ...core.report import UpdateReport
+    from ..core.report import UpdateReport
 
 #: Ranks of a trainer world where its kind fixes them (Megatron-Bridge: TP 2 x PP 2).
 TRAINER_RANKS = {"megatron-bridge": 4}
@@ -100,7 +100,7 @@ class RunResult:
 def unavailable(kind: str, name: str) -> str:
     """Why the registered `kind` ("transports", "trainer_sources", "engine_targets") `name`
     cannot run here, or ""."""
-    from ...core.plugins import registry
+    from ..core.plugins import registry
 
     registration = registry().entries[kind].get(name)
     if registration is None:
@@ -230,17 +230,17 @@ def pair_up(expected: Mapping[int, dict[str, torch.Tensor]], dumps: Mapping[tupl
 
 def loaded(opts: WorldOptions, rank: int, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The bytes the world's engine kind holds on `rank` after its own loader read `tensors`."""
-    from . import expected
+    from . import oracles
 
     if opts.engine == "torch":
-        return expected.torch_loaded(opts.model, opts.engine_dtype, tensors)
+        return oracles.torch_loaded(opts.model, opts.engine_dtype, tensors)
     if opts.engine == "sglang":
-        rank_model = expected.sglang_loaded(opts.model.config_dict(), opts.engine_tp, 1, rank, tensors)
+        rank_model = oracles.sglang_loaded(opts.model.config_dict(), opts.engine_tp, 1, rank, tensors)
         return {name: p.data for name, p in rank_model.model.named_parameters()}
-    from ...adapters.vllm import shim
+    from ..adapters.vllm import shim
 
     config = shim.engine_config(opts.model.config_dict(), tp=opts.engine_tp, dtype=opts.engine_dtype)
-    return {name: p.data for name, p in expected.vllm_loaded(config, rank, tensors).named_parameters()}
+    return {name: p.data for name, p in oracles.vllm_loaded(config, rank, tensors).named_parameters()}
 
 
 def check_reports(result: RunResult, opts: WorldOptions) -> None:

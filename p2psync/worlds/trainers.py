@@ -21,9 +21,9 @@ from .models import Trainer, greedy
 if TYPE_CHECKING:
     import torch
 
-    from ...core.rendezvous import Rendezvous
-    from ...core.report import UpdateReport
-    from ...core.source import TrainerSource
+    from ..core.rendezvous import Rendezvous
+    from ..core.report import UpdateReport
+    from ..core.source import TrainerSource
     from .world import WorldOptions
 
 #: The session options of a trainer kind's way of updating: a world's trainer kind is the
@@ -66,7 +66,7 @@ def start_fsdp2(rank: int, opts: WorldOptions, port: int) -> tuple[Rendezvous, A
     sharded with FSDP2 per decoder layer and at the root."""
     from torch.distributed.fsdp import fully_shard
 
-    from ...core.devices import resolve
+    from ..core.devices import resolve
 
     rendezvous = join_trainer_world(rank, opts, port, world_size=opts.ranks_of("fsdp2"), timeout=opts.startup_timeout)
     model = opts.model.build(seed=0).to(resolve(opts.device).device)
@@ -79,7 +79,7 @@ def start_fsdp2(rank: int, opts: WorldOptions, port: int) -> tuple[Rendezvous, A
 def fsdp2_trainer(rank: int, opts: WorldOptions, port: int) -> TrainerRank:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from ...adapters.fsdp2 import FSDP2Source
+    from ..adapters.fsdp2 import FSDP2Source
 
     rendezvous, model = start_fsdp2(rank, opts, port)
     trainer = Trainer(model, seed=rank)
@@ -109,12 +109,12 @@ def megatron_trainer(rank: int, opts: WorldOptions, port: int, *, bridge: bool =
     case = Case(arch, tp=2, pp=ranks // 2) if bridge else Case(arch, tp=ranks)
     model = megatron_model(case, opts.model.config_dict())
     if bridge:
-        from ...adapters.megatron.bridge import BridgeSource
+        from ..adapters.megatron.bridge import BridgeSource
         from .megatron import bridge_deepseek_registry
 
         source: TrainerSource = BridgeSource(model, bridge_deepseek_registry())  # after the parallel state
     else:
-        from ...adapters.megatron import MegatronSource
+        from ..adapters.megatron import MegatronSource
 
         source = MegatronSource(model, arch)
     trainer = Trainer(reference, seed=0)  # the same batches on every rank: the reference stays equal everywhere
@@ -159,7 +159,7 @@ def harness_urls(trainer: TrainerRank, opts: WorldOptions) -> dict[str, list[str
 
 
 def _post_all(urls: dict[str, list[str]], route: str, body: dict[str, Any], token: str) -> None:
-    from ...core.control import post
+    from ..core.control import post
 
     for engine_urls in urls.values():
         for url in engine_urls:
@@ -173,8 +173,8 @@ class SessionConnection:
     def __init__(
         self, trainer: TrainerRank, opts: WorldOptions, transport: str, urls: dict[str, list[str]], way: str
     ) -> None:
-        from ...core.devices import resolve
-        from ...core.session import Session
+        from ..core.devices import resolve
+        from ..trainer.session import Session
 
         token = trainer.rendezvous.token()
         if trainer.rank == 0:
@@ -233,14 +233,14 @@ class VllmConnection:
     def __init__(
         self, trainer: TrainerRank, opts: WorldOptions, transport: str, urls: dict[str, list[str]], way: str
     ) -> None:
-        from ...adapters.vllm import shim
+        from ..adapters.vllm import shim
 
 
         shim.import_vllm()  # before any vLLM module: it selects the CPU platform
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-        from ...adapters.vllm import vllm_plugin
-        from ...adapters.vllm.transfer import EngineClients, P2PSyncTrainerInitInfo
+        from ..adapters.vllm import vllm_plugin
+        from ..adapters.vllm.transfer import EngineClients, P2PSyncTrainerInitInfo
 
         token = trainer.rendezvous.token()
         if trainer.rank == 0:
@@ -279,7 +279,7 @@ def dump(trainer: TrainerRank, opts: WorldOptions, urls: dict[str, list[str]], f
     rank save what it holds, into `folder` (collective: the oracle may gather)."""
     import torch
 
-    from ...core.control import post
+    from ..core.control import post
 
     oracle = trainer.oracle()
     if trainer.rank == 0:
@@ -295,7 +295,7 @@ def trainer_main(rank: int, opts: WorldOptions, port: int, results: Any, kind: s
     """A rank of the `kind` trainer world: each of its runs in turn; rank 0 reports each run."""
     import torch.distributed as dist
 
-    from ...core.control import post
+    from ..core.control import post
     from .world import RunResult
 
     source_kind, way = split_kind(kind)
