@@ -21,7 +21,7 @@ from p2psync.core.delta import (
     record_bytes,
     unpack_bits,
 )
-from p2psync.trainer.delta_send import DeltaOptions, parse_delta
+from p2psync.trainer.options import DeltaOptions, parse_delta
 from p2psync.core.errors import OptionsError
 from p2psync.core.layout import ParamGroup
 from p2psync.engine.patch import PatchArea, _scatter_device, _scatter_host

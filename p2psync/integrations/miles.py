@@ -157,7 +157,8 @@ class P2PSyncUpdateWeight:
         from ..trainer import collectives
         from ..core.plugins import registry
         from ..core.rendezvous import Rendezvous
-        from ..trainer.session import DEFAULT_BUCKET_BYTES, Session
+        from ..trainer.options import DEFAULT_BUCKET_BYTES
+        from ..trainer.session import Session
 
         address = setting(self.args, "rendezvous")
         if not address:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from . import collectives
 from .baseline import BaselineStore
 from .buffers import BufferPool, Lease
+from .options import DeltaOptions
 from ..core.delta import (
     MAX_RECORD_ELEMENTS,
     Change,
@@ -49,22 +50,6 @@ if TYPE_CHECKING:
 
 #: Per unit a sender serves: its tables and its groups in sending order.
 Served = Mapping[str, tuple[Sequence[TargetTable], Sequence[ParamGroup]]]
-
-
-@dataclass(frozen=True)
-class DeltaOptions:
-    """Delta updates (`Session(delta=...)`): `full_every` makes every N-th update a full
-    one (0: only targets that need one get it); `memory_bytes` bounds the baselines a
-    sender holds (None: no bound); units beyond it are always sent in full."""
-
-    full_every: int = 0
-    memory_bytes: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.full_every < 0:
-            raise ValueError(f"full_every must be 0 or more, got {self.full_every}")
-        if self.memory_bytes is not None and self.memory_bytes < 0:
-            raise ValueError(f"memory_bytes must be 0 or more, got {self.memory_bytes}")
 
 
 @dataclass
@@ -297,15 +282,3 @@ def _reseed(old: torch.Tensor, new: torch.Tensor, elem: int, change: Change) -> 
         return
     held = elements(old, elem).numpy()
     held[change.where] = elements(change.values, elem).numpy()
-
-
-def parse_delta(value: bool | Mapping[str, object] | DeltaOptions | None) -> DeltaOptions | None:
-    """Session's `delta` argument: False/None (full updates), True (defaults), options."""
-    from ..core.options import parse
-
-    if value is None or value is False:
-        return None
-    if value is True:
-        return DeltaOptions()
-    return parse(DeltaOptions, value, what="delta")  # type: ignore[arg-type]
-

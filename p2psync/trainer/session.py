@@ -22,7 +22,7 @@ from typing import Any
 from . import collectives
 from .buckets import make_buckets
 from .buffers import BufferPool, Lease
-from .delta_send import DeltaOptions, DeltaSender, StagedPatch, parse_delta
+from .delta_send import DeltaSender, StagedPatch
 from ..core.digest import byte_view, digest
 from ..core.engine import EngineControl, EngineTarget
 from ..core.errors import ConnectError, ControlError, P2PSyncError, TrainerLost, UpdateError, first_line, where
@@ -30,6 +30,7 @@ from .gatherfree import Packing, compile_packing
 from ..core.layout import ALIGN, Layout, ParamGroup, aligned
 from .lease import UpdateLease
 from .liveness import Heartbeat
+from .options import SessionOptions
 from .plan import Plan, PlanTarget, build_plan, unit_of
 from ..core.plugins import Registry, registry as default_registry
 from ..core.rendezvous import Rendezvous
@@ -40,10 +41,6 @@ from ..core.types import ParamSpec, Region, TargetId, TargetTable, numel
 from .writer import EngineWriter, WriteJob
 
 log = logging.getLogger(__name__)
-
-DEFAULT_BUCKET_BYTES = 512 << 20
-GATHER_MODES = ("auto", "always")
-
 
 def _narrower_dtypes(specs: Mapping[str, ParamSpec], reads: Sequence[tuple[Layout, ParamGroup]]) -> dict[str, str]:
     """HF tensors to gather in a narrower dtype: those that every group reading them only
@@ -138,21 +135,10 @@ def _fill_packed(packing: Packing, shards: Mapping[str, Any], out: Any) -> list[
 class Session:
     """Moves a trainer's weights into running engines.
 
-    Construct on every trainer rank with the same arguments. `transport` is a
-    Transport instance or a registered name; `bucket_bytes` bounds what is gathered
-    at once; `transfer_timeout` bounds every write and control call; `check`
-    compares a digest of every parameter each engine holds with what was sent;
-    `token` is the job's secret that engines check (default: the rendezvous's);
-    `engine_options` are keyword options per engine kind, e.g.
-    `{"vllm": {"layout": "replica"}}`. `update_lease` (default four times
-    `transfer_timeout`) is how long an engine paused for an update waits for the
-    trainer to make progress before it abandons the update and marks itself stale;
-    world rank 0 renews it as buckets go by. `gather`: "always" gathers every HF
-    tensor before producing bytes; "auto" sends groups that are copies of the ranks'
-    own shards without a gather, where every layout and the source allow it, and
-    gathers the rest. `delta` (True, or `DeltaOptions` / their mapping) sends each
-    target only what changed since the bytes it holds (see `delta_send`; gathered groups
-    only: gather-free ones are sent whole); full updates are the default.
+    Construct on every trainer rank with the same arguments. `transport` is a Transport
+    instance or a registered name; `options` (`SessionOptions`, or their mapping) say how,
+    and keyword `changes` override single options (`Session(..., check=True)`); an
+    unknown option is an error naming the valid ones.
     """
 
     def __init__(
@@ -161,40 +147,26 @@ class Session:
         source: TrainerSource,
         transport: Transport | str,
         rendezvous: Rendezvous,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        transfer_timeout: float = 60.0,
-        check: bool = False,
-        token: str | None = None,
-        transport_options: Mapping[str, Any] | None = None,
+        options: SessionOptions | Mapping[str, Any] | None = None,
         registry: Registry | None = None,
-        buffer_device: str = "cpu",
-        pin_memory: bool = False,
-        engine_options: Mapping[str, Mapping[str, Any]] | None = None,
-        update_lease: float | None = None,
-        gather: str = "always",
-        delta: bool | Mapping[str, Any] | DeltaOptions = False,
+        **changes: Any,
     ) -> None:
-        if gather not in GATHER_MODES:
-            raise ValueError(f"gather must be one of {GATHER_MODES}, got {gather!r}")
-        if bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-        if update_lease is not None and update_lease <= 0:
-            raise ValueError(f"update_lease must be positive, got {update_lease}")
+        self.options = opts = SessionOptions.of(options, **changes)
         self.registry = registry or default_registry()
-        transport = self.registry.make_transport(transport, transport_options)
+        transport = self.registry.make_transport(transport, opts.transport_options)
         transport.bind(rendezvous)
         self.source = source
         self.transport = transport
         self.rendezvous = rendezvous
-        self.bucket_bytes = bucket_bytes
-        self.transfer_timeout = transfer_timeout
-        self.update_lease = 4 * transfer_timeout if update_lease is None else update_lease
-        self.check = check
-        self.gather = gather
-        self.token = rendezvous.token() if token is None else token
-        self.buffer_device = buffer_device
-        self.pin_memory = pin_memory
-        self.engine_options = {kind: dict(opts) for kind, opts in (engine_options or {}).items()}
+        self.bucket_bytes = opts.bucket_bytes
+        self.transfer_timeout = opts.transfer_timeout
+        self.update_lease = opts.lease_seconds
+        self.check = opts.check
+        self.gather = opts.gather
+        self.token = rendezvous.token() if opts.token is None else opts.token
+        self.buffer_device = opts.buffer_device
+        self.pin_memory = opts.pin_memory
+        self.engine_options = opts.engine_options
         self.rank = collectives.world_rank()
         self.group = source.sender_group()
         # Caches that a refused connect may fill but never spoils:
@@ -204,10 +176,10 @@ class Session:
         self._heartbeat = Heartbeat(rendezvous, self.rank, collectives.world_size())
         self._broken: str | None = None  # why update cannot run again
         self._clock = PhaseClock()
-        delta_options = parse_delta(delta)
+        delta_options = opts.delta_options
         self._delta = None if delta_options is None else DeltaSender(
-            delta_options, device=buffer_device, pin_memory=pin_memory, acquire_timeout=transfer_timeout,
-            on_stall=self._abandon_laggards,
+            delta_options, device=opts.buffer_device, pin_memory=opts.pin_memory,
+            acquire_timeout=opts.transfer_timeout, on_stall=self._abandon_laggards,
         )
 
     @property

@@ -35,7 +35,8 @@ from vllm.distributed.weight_transfer.base import (
 from ...engine.endpoint import EngineEndpoint
 from ...core.rendezvous import Rendezvous
 from ...core.report import UpdateReport
-from ...trainer.session import DEFAULT_BUCKET_BYTES, Session
+from ...trainer.options import DEFAULT_BUCKET_BYTES
+from ...trainer.session import Session
 from ...core.source import TrainerSource
 from . import shim
 from .endpoint import serve
