@@ -357,7 +357,7 @@ def test_a_gather_free_session_updates_toy_engines_bit_exact(claims):
     numel = sources["layers.0.q.weight"].numel()
     twice = {"layers.0.q.weight": ((0, numel), (numel // 2, numel))} if claims == "overlapping" else {}
     with toy_session(ShardSource(sources, twice), gather="auto") as (session, engines):
-        free, gathered = session.gather_free_bytes
+        free, gathered = session.stats().gather_free_bytes
         norms = 2 * LAYERS * HIDDEN * 4  # per rank's unit
         qkv = 2 * 3 * HEADS // 2 * HEAD_DIM * HIDDEN * 4  # layer 0's fused qkv, which reads q
         assert (free > 0, gathered) == (True, norms + (qkv if twice else 0))

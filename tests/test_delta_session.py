@@ -154,7 +154,8 @@ def test_a_baseline_budget_too_small_sends_full_updates():
             for step in range(2):
                 report = session.update(f"v{step}")
                 assert report.ok and report.engines["a"].delta_ranks == []
-            assert session.delta_bytes == session._delta.buffer_bytes  # no baseline held
+            stats = session.stats()
+            assert stats.delta_bytes == stats.patch_buffer_bytes  # no baseline held
 
 
 @pytest.mark.parametrize("transport", ["samehost", "torchdist", "nixl"])

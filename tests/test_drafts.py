@@ -173,7 +173,7 @@ def trainer_process(rank: int, opts: Any, port: int, results: Any) -> None:
     final = {n: t.clone() for n, t in session.source.gather([s.name for s in session.source.param_specs()]).items()}
     if rank == 0:
         torch.save(final, Path(opts.dump_dir) / "trainer.pt")
-    buckets = session.bucket_count  # known while connected
+    buckets = session.stats().bucket_count  # known while connected
     session.close()
     dist.destroy_process_group()
     if rank == 0:

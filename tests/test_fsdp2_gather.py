@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from p2psync.core.layout import Layout, ParamGroup
-from p2psync.trainer.session import _narrower_dtypes
+from p2psync.trainer.compiler import narrower_dtypes
 from p2psync.core.types import ParamSpec
 from p2psync.worlds import free_port
 
@@ -94,4 +94,4 @@ def test_gather_narrows_only_what_every_reading_group_copies_into_one_narrower_d
     reads = [(layout, g) for layout in (one, other) for g in layout.groups()]
 
     # a, b: copies into bfloat16 everywhere; c: two dtypes; d, e: computed somewhere; f: not narrower
-    assert _narrower_dtypes(specs, reads) == {"a": "bfloat16", "b": "bfloat16"}
+    assert narrower_dtypes(specs, reads) == {"a": "bfloat16", "b": "bfloat16"}

@@ -177,7 +177,7 @@ def test_twenty_sessions_in_one_process_leave_nothing_behind():
             with Session(source=source, transport=transport, rendezvous=group.rendezvous, check=True) as session:
                 session.connect(["a"])
                 assert session.update(f"v{step}").ok
-                assert transport.registered_bytes == session.buffer_bytes > 0
+                assert transport.registered_bytes == session.stats().buffer_bytes > 0
             assert transport.registered_bytes == 0
             return transport
 

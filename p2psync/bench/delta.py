@@ -81,7 +81,7 @@ def delta_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
     delta, full = _sessions(opts, source, rendezvous)
     delta.connect(ids)
     full.connect(ids)
-    buckets = full.buckets  # the broadcast gathers the same buckets
+    buckets = full.stats().buckets  # the broadcast gathers the same buckets
     specs = {s.name: s for s in source.param_specs()}
     leader, controls = None, []
     if rank == 0:
@@ -106,7 +106,7 @@ def delta_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
                     rounds[way.name].append(measured)
         per_lr[f"{lr:g}"] = rounds
     mismatches = _verify(trainer, ways, rendezvous, ids, opts.transfer_timeout, rank == 0)
-    held = collectives.all_gather({"delta_bytes": delta.delta_bytes, "buffer_bytes": full.buffer_bytes})
+    held = collectives.all_gather({"delta_bytes": delta.stats().delta_bytes, "buffer_bytes": full.stats().buffer_bytes})
     if leader is not None:
         leader.stop(GROUP_TIMEOUT)
     for control in controls:

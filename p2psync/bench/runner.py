@@ -143,7 +143,7 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
             transfer_timeout=opts.transfer_timeout, check=opts.check, gather="auto",
         )
         gather_free.connect(ids)
-    buckets = session.buckets  # the broadcast gathers the same buckets: only the way of sending differs
+    buckets = session.stats().buckets  # the broadcast gathers the same buckets: only the way of sending differs
     dtype = engines.engine_dtype(opts)
     members = opts.engines * engines.tp(opts)
     specs = {s.name: s for s in source.param_specs()}
@@ -176,13 +176,13 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
     for control in controls:
         control.close()
     measured.memory.update(
-        transfer_buffers_bytes=session.buffer_bytes, largest_group_bytes=session.largest_group_bytes,
+        transfer_buffers_bytes=session.stats().buffer_bytes, largest_group_bytes=session.stats().largest_group_bytes,
         bucket_bytes=opts.bucket_bytes, broadcast_flat_bytes=leader.flat_buffer_bytes if leader else 0,
     )
     if gather_free is not None:
         measured.memory.update({
-            "gather-free_transfer_buffers_bytes": gather_free.buffer_bytes,
-            "gather-free_largest_group_bytes": gather_free.largest_group_bytes,
+            "gather-free_transfer_buffers_bytes": gather_free.stats().buffer_bytes,
+            "gather-free_largest_group_bytes": gather_free.stats().largest_group_bytes,
         })
     p2p_ways = [w for w in ways if isinstance(w, P2PWay)]
     mine: dict[str, Any] = {

@@ -83,7 +83,7 @@ class P2PWay(Way):
         self.session = session
         self.name, self.description = name, description
         #: Bytes of an update this rank sends gather-free and produces from gathers (the session is connected).
-        self.split = session.gather_free_bytes
+        self.split = session.stats().gather_free_bytes
         self.reports: list[UpdateReport] = []
         #: Per update: when this rank's writes ran (monotonic clock).
         self.write_intervals: list[list[tuple[float, float]]] = []
@@ -98,19 +98,19 @@ class P2PWay(Way):
         if not report.ok:
             raise RuntimeError(report.format())
         self.reports.append(report)
-        self.write_intervals.append(self.session.write_intervals)
+        self.write_intervals.append(self.session.stats().write_intervals)
         return report.seconds
 
     def gathers(self) -> tuple[list[list[str]], dict[str, str]]:
-        return self.session.buckets, self.session.gather_dtypes
+        return self.session.stats().buckets, self.session.stats().gather_dtypes
 
     @property
     def phase_seconds(self) -> dict[str, float]:
-        return self.session.phase_seconds
+        return self.session.stats().phase_seconds
 
     @property
     def sent_bytes(self) -> int:
-        return self.session.sent_bytes  # counted by the writers: every completed write's bytes
+        return self.session.stats().sent_bytes  # counted by the writers: every completed write's bytes
 
     def to_json(self) -> dict[str, Any]:
         free, gathered = self.split

@@ -6,6 +6,7 @@ rendezvous and be read by a trainer that imports no engine framework.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -78,9 +79,9 @@ class TargetTable:
     def target(self) -> TargetId:
         return TargetId(self.engine_id, self.rank)
 
-    @property
+    @functools.cached_property
     def layout_key_text(self) -> str:
-        """Canonical text of the layout key, usable as a dictionary key."""
+        """Canonical text of the layout key, usable as a dictionary key (computed once per table)."""
         return json.dumps({"engine": self.engine, **self.layout_key}, sort_keys=True)
 
     @property

@@ -185,13 +185,13 @@ class SessionConnection:
             pin_memory=resolve(opts.device).pin_buffers, **SESSION_WAYS[way],
         )
         self.session.connect(engine_ids(opts))
-        self.bucket_count = self.session.bucket_count
-        self.gather_free_bytes = self.session.gather_free_bytes[0]
+        self.bucket_count = self.session.stats().bucket_count
+        self.gather_free_bytes = self.session.stats().gather_free_bytes[0]
         self.bar = None
         if trainer.rank == 0 and opts.progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=opts.updates * self.session.bucket_count, desc="syncing", unit="bucket")
+            self.bar = tqdm(total=opts.updates * self.session.stats().bucket_count, desc="syncing", unit="bucket")
 
     def update(self, version: str) -> UpdateReport:
         bar = self.bar
@@ -254,8 +254,8 @@ class VllmConnection:
             **SESSION_WAYS[way],
         )
         self.sync = WeightTransferTrainerFactory.trainer_init(init, client=clients, source=trainer.source)
-        self.bucket_count = self.sync.session.bucket_count
-        self.gather_free_bytes = self.sync.session.gather_free_bytes[0]
+        self.bucket_count = self.sync.session.stats().bucket_count
+        self.gather_free_bytes = self.sync.session.stats().gather_free_bytes[0]
 
     def update(self, version: str) -> UpdateReport:
         self.sync.send_weights(version)

@@ -1,0 +1,87 @@
+"""Every control call the trainer makes to its engines, in one place.
+
+World rank 0 checks access at connect, pauses the engines for an update, renews their
+update leases as buckets go by and finishes the ones whose writes all landed; every
+rank asks the targets it wrote to for digests and has them apply its delta patches.
+
+The lease: an engine paused for an update waits `lease` seconds for the trainer to
+finish or to renew; past that it abandons the update and marks itself stale (see
+`p2psync.engine.state`). Renewing as buckets go by means a long update of a large model
+never looks abandoned, while a trainer that died, or a world whose collectives hang,
+stops renewing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from ..core.delta import PatchRecord
+from ..core.engine import EngineControl
+from ..core.errors import ConnectError, ControlError
+from ..core.types import Region
+
+log = logging.getLogger(__name__)
+
+
+def check_access(controls: Mapping[str, EngineControl]) -> None:
+    """Reach every engine once with the job's credentials (connect, world rank 0)."""
+    for control in controls.values():
+        try:
+            control.check_access()
+        except ControlError as exc:
+            raise ConnectError(str(exc)) from exc
+
+
+class UpdateCalls:
+    """The control calls of the update to `version`; leases of `lease` seconds, renewed at
+    most every quarter lease."""
+
+    def __init__(self, controls: Mapping[str, EngineControl], version: str, lease: float) -> None:
+        self.controls = controls
+        self.version = version
+        self.lease = lease
+        self._renewed = time.monotonic()
+
+    def pause_all(self) -> dict[str, str]:
+        """Pause every engine; the ones that refused, with why."""
+        failed = {}
+        for engine, control in self.controls.items():
+            try:
+                control.pause(self.version, self.lease)
+            except ControlError as exc:
+                failed[engine] = f"pause failed: {exc}"
+        self._renewed = time.monotonic()
+        return failed
+
+    def progressed(self, failed: Mapping[str, str]) -> None:
+        """The update made progress: renew the leases of the engines not failed, if due."""
+        now = time.monotonic()
+        if now - self._renewed < self.lease / 4:
+            return
+        self._renewed = now
+        for engine, control in self.controls.items():
+            if engine in failed:
+                continue
+            try:
+                control.renew(self.version)
+            except ControlError as exc:  # its writes or its finish will say what is wrong
+                log.warning("renewing the update lease of engine %s failed: %s", engine, exc)
+
+    def finish(self, engine: str) -> str | None:
+        """Post-process and resume `engine`; why that failed, or None."""
+        try:
+            self.controls[engine].finish(self.version)
+        except ControlError as exc:
+            return f"finish failed: {exc}"
+        return None
+
+    def digests(self, engine: str, rank: int, regions: Mapping[str, Sequence[Region]]) -> dict[str, str]:
+        """Digests of what `engine`'s `rank` holds in `regions` (raises ControlError)."""
+        return self.controls[engine].digests(rank, regions)
+
+    def patch(self, engine: str, rank: int, records: Sequence[PatchRecord]) -> Callable[[], None]:
+        """The call that has `engine`'s `rank` apply the patch of `records` just written."""
+        control = self.controls[engine]
+        return lambda: control.apply_patch(rank, self.version, records)

@@ -1,0 +1,121 @@
+"""Building a connection for a session: read the engines' tables, build (or reuse) their
+layouts, compile what this rank sends, and open the buffers, peers, writers and control
+clients. Everything here may fail on one rank only; `Session.connect` runs it between
+the collectives that make every rank agree on the outcome."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from ..core.engine import EngineControl
+from ..core.errors import ConnectError, P2PSyncError, where
+from ..core.plugins import Registry
+from ..core.rendezvous import Rendezvous
+from ..core.source import TrainerSource
+from ..core.transport import Transport
+from ..core.types import ParamSpec, TargetTable
+from . import collectives
+from .buffers import BufferPool
+from .calls import check_access
+from .compiler import HeldRanges, SenderView, compile_connection
+from .connection import Connection
+from .layouts import LayoutCache
+from .modes import UpdateMode
+from .options import SessionOptions
+from .plan import unit_of
+
+log = logging.getLogger(__name__)
+
+
+class Connector:
+    """What one session's connects share: its trainer, transport and options, and the
+    layouts built so far (a reconnect to unchanged layout keys compiles nothing)."""
+
+    def __init__(
+        self,
+        *,
+        source: TrainerSource,
+        transport: Transport,
+        rendezvous: Rendezvous,
+        options: SessionOptions,
+        registry: Registry,
+        token: str,
+        mode: UpdateMode,
+    ) -> None:
+        self.source, self.transport, self.rendezvous = source, transport, rendezvous
+        self.options, self.token, self.mode = options, token, mode
+        self.rank = collectives.world_rank()
+        self.group = source.sender_group()
+        self.layouts = LayoutCache(registry, options.engine_options)
+
+    def read_tables(self, engines: Sequence[str]) -> dict[str, list[TargetTable]] | str:
+        try:
+            return {engine: self.rendezvous.read_engine(engine) for engine in engines}
+        except P2PSyncError as exc:
+            return str(exc)
+
+    def local_ranges(self) -> HeldRanges:
+        """The flat element ranges of each HF tensor this rank holds for gather-free sends
+        (none with `gather="always"`, or where the source cannot say)."""
+        if self.options.gather != "auto":
+            return {}
+        try:
+            shards = self.source.local_shards([s.name for s in self.source.param_specs()])
+        except Exception:  # noqa: BLE001 - the tensors are then gathered; every rank must reach the all_gather
+            log.exception("the trainer source could not describe its local shards; gathering instead")
+            return {}
+        return {name: shard.ranges for name, shard in shards.items()}
+
+    def prepare(self, conn: Connection, current: Connection | None, held: Sequence[HeldRanges]) -> None:
+        """Check `conn`'s tables, build their layouts, compile, and open its resources,
+        reusing what `current` (the session's connection) has. `held`: every world rank's
+        `local_ranges`."""
+        specs, mine = self._all_specs()
+        layouts = {}
+        for table in (t for engine_tables in conn.tables.values() for t in engine_tables):
+            self._check_table(table)
+            layouts.setdefault(unit_of(table.layout_key_text, table.rank), self.layouts.layout(table, specs))
+        sender = SenderView(
+            self.rank, tuple(self.group.ranks), mine, self.options.bucket_bytes, self.source.bucket_kind
+        )
+        conn.compiled = compiled = compile_connection(conn.tables, layouts, sender, held)
+        need = compiled.buffer_bytes(self.options.bucket_bytes)
+        if current is not None and current.pool is not None and current.pool.nbytes >= need:
+            conn.pool = current.pool
+        else:
+            conn.pool = self._new_pool(need)
+        conn.patch_pool = self.mode.pool_for(compiled.served(), current.patch_pool if current else None, self.transport)
+        conn.open(current, self.transport, self._control_for, self.options.transfer_timeout)
+        if self.rank == 0:
+            check_access(conn.controls)
+
+    def _new_pool(self, nbytes: int) -> BufferPool:
+        return BufferPool(nbytes, self.transport, device=self.options.buffer_device, pin_memory=self.options.pin_memory)
+
+    def _control_for(self, tables: Sequence[TargetTable]) -> EngineControl:
+        return self.layouts.target(tables[0]).control(tables, timeout=self.options.transfer_timeout, token=self.token)
+
+    def _all_specs(self) -> tuple[dict[str, ParamSpec], dict[str, ParamSpec]]:
+        """The HF tensors of every sender group, and of this rank's group."""
+        mine = {s.name: s for s in self.source.param_specs()}
+        union: dict[str, tuple[int, ParamSpec]] = {}
+        for rank, rank_specs in enumerate(collectives.all_gather(list(mine.values()))):
+            for spec in rank_specs:
+                first, seen = union.setdefault(spec.name, (rank, spec))
+                if seen != spec:
+                    raise ConnectError(
+                        f"trainer ranks {first} and {rank} disagree on HF tensor {spec.name!r}: {seen} and {spec}"
+                    )
+        return {name: spec for name, (_, spec) in union.items()}, mine
+
+    def _check_table(self, table: TargetTable) -> None:
+        if table.transport != self.transport.name:
+            raise ConnectError(
+                f"{where(table.engine_id, table.rank)} published for transport {table.transport!r}, "
+                f"but this trainer uses {self.transport.name!r}"
+            )
+        if table.job_id != self.rendezvous.job_id:
+            raise ConnectError(
+                f"{where(table.engine_id, table.rank)} joined job {table.job_id!r}, not {self.rendezvous.job_id!r}"
+            )

@@ -1,0 +1,281 @@
+"""One update, on one trainer rank: pause, send, verify, report.
+
+World rank 0 pauses the engines (and renews their leases as buckets go by). Every rank
+first writes its own parts of the gather-free groups, then gathers each bucket and, for
+the units the plan gave it, fills a free transfer buffer through the layout and hands
+the writes to each engine's write thread while it fills the other buffer. Once every
+write landed: the optional digest check, the report (the same on every rank) and, on
+world rank 0, the finish calls of the engines whose writes all landed.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..core.digest import byte_view, digest
+from ..core.errors import ControlError, where
+from ..core.layout import ParamGroup, aligned
+from ..core.report import EngineReport, PhaseClock, UpdateReport
+from ..core.source import TrainerSource
+from ..core.transport import WriteBatch
+from ..core.types import Region
+from . import collectives
+from .buffers import Lease
+from .calls import UpdateCalls
+from .compiler import UnitWrites
+from .connection import Connection
+from .gatherfree import Packing
+from .modes import UpdateMode
+from .writer import WriteJob
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+#: Per group of a unit: its bytes, what writes them into a buffer slice (returning the
+#: regions), and the group where it was gathered (None: a gather-free packing).
+Fill = tuple[int, Callable[[Any], list[Region]], ParamGroup | None]
+#: Per engine, what this rank's writes did: bytes per engine rank, seconds to the last, error.
+WriteStatus = dict[str, tuple[dict[int, int], float, str | None]]
+
+
+@dataclass
+class Produced:
+    """Digest of what a sender produced for one parameter, and where it went."""
+
+    digest: str
+    regions: list[Region]
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What every update of a session shares."""
+
+    rank: int
+    check: bool
+    timeout: float
+    lease: float
+
+
+class UpdateRun:
+    """The update to `version` over `conn`, in `mode`."""
+
+    def __init__(
+        self, conn: Connection, source: TrainerSource, mode: UpdateMode, settings: RunSettings, version: str
+    ) -> None:
+        assert conn.compiled is not None and conn.pool is not None
+        self.conn, self.compiled, self.pool = conn, conn.compiled, conn.pool
+        self.source, self.mode, self.settings, self.version = source, mode, settings, version
+        self.clock = PhaseClock()
+        self.calls = UpdateCalls(conn.controls, version, settings.lease)
+        self.failed: dict[str, str] = {}  # engines that refused the pause
+
+    def run(self, progress: Callable[[int, int], None] | None, full: bool) -> UpdateReport:
+        start = time.monotonic()
+        self.mode.begin(full, self.clock)
+        leader = self.settings.rank == 0
+        self.failed = collectives.broadcast(self.calls.pause_all() if leader else None)
+        self.clock.lap("pause")
+        for engine, writer in self.conn.writers.items():
+            writer.start_update()
+            if engine in self.failed:
+                writer.fail(self.failed[engine])
+
+        packed = self._send_gather_free()
+        produced = self._send_gathered(progress)
+        for writer in self.conn.writers.values():
+            writer.wait()
+        self.clock.lap("drain")
+        if self.settings.check:
+            self._progressed()
+            for writes, sent in [*produced, *packed]:
+                self._verify(writes, sent)
+            self.clock.lap("verify")
+
+        mine: WriteStatus = {
+            engine: (w.progress.rank_bytes, (w.progress.last_done or start) - start, w.progress.error)
+            for engine, w in self.conn.writers.items()
+        }
+        statuses = collectives.all_gather(mine)
+        report = collectives.broadcast(self._report(start, statuses) if leader else None)
+        self.clock.lap("finish")
+        self.mode.finish(report)
+        return report
+
+    def _progressed(self) -> None:
+        if self.settings.rank == 0:
+            self.calls.progressed(self.failed)
+
+    def _send_gather_free(self) -> list[tuple[UnitWrites, dict[str, Produced]]]:
+        """Write this rank's own parts of every gather-free group."""
+        out = []
+        if self.compiled.packed:
+            shards = self.source.local_shards(self.compiled.packed_inputs)
+            for writes, packings in self.compiled.packed:
+                sent: dict[str, Produced] = {}
+                fills: list[Fill] = [(p.nbytes, functools.partial(_fill_packed, p, shards), None) for p in packings]
+                self._send(writes, fills, sent)
+                out.append((writes, sent))
+                self._progressed()
+            del shards
+            self.clock.lap("produce")
+        return out
+
+    def _send_gathered(
+        self, progress: Callable[[int, int], None] | None
+    ) -> list[tuple[UnitWrites, dict[str, Produced]]]:
+        """Gather each bucket and write the groups the plan gave this rank."""
+        produced: dict[str, dict[str, Produced]] = defaultdict(dict)  # unit -> parameter -> what was sent
+        units: dict[str, UnitWrites] = {}
+        buckets = self.compiled.buckets
+        for i, names in enumerate(buckets):
+            casts = {n: self.compiled.gather_dtypes[n] for n in names if n in self.compiled.gather_dtypes}
+            tensors = self.source.gather_cast(names, casts)
+            self.clock.lap("gather")
+            for writes, groups in self.compiled.work[i]:
+                units.setdefault(writes.unit, writes)
+                fills: list[Fill] = [(g.nbytes, functools.partial(writes.layout.fill, g, tensors), g) for g in groups]
+                self._send(writes, fills, produced[writes.unit])
+            self.clock.lap("produce")
+            del tensors
+            self._progressed()
+            if progress is not None:
+                progress(i + 1, len(buckets))
+        return [(writes, produced[unit]) for unit, writes in units.items()]
+
+    def _send(self, writes: UnitWrites, fills: list[Fill], produced: dict[str, Produced]) -> None:
+        """Fill transfer buffers with one unit's groups and hand them to the writers; in delta
+        mode, the unit's delta targets get the mode's dense regions and its patches."""
+        lease: Lease | None = None
+        regions: list[Region] = []
+        dense: list[Region] = []
+        offset = 0
+        try:
+            for nbytes, fill, group in fills:
+                if lease is None or offset + nbytes > self.pool.nbytes:
+                    if lease is not None:
+                        self._submit(writes, lease, regions, dense)
+                        lease = None  # _submit released the filler's reference
+                    self.clock.lap("produce")
+                    lease, regions, dense, offset = self.pool.acquire(self.settings.timeout, self._on_stall), [], [], 0
+                    self.clock.lap("buffer_wait")
+                out = lease.tensor[offset : offset + nbytes]
+                written = [Region(r.param, r.param_offset, r.buffer_offset + offset, r.nbytes) for r in fill(out)]
+                regions.extend(written)
+                if self.settings.check:
+                    _record(lease, written, produced)
+                dense.extend(self.mode.produced(writes.unit, group, out, written, offset))
+                if group is not None:
+                    self._submit_patches()
+                offset += aligned(nbytes)
+            if lease is not None:
+                self._submit(writes, lease, regions, dense)
+                lease = None
+            self.mode.flush()
+            self._submit_patches()
+        except Exception as exc:  # a layout or buffer failure fails this unit's engines only
+            log.exception("producing bytes for %s failed", writes.unit)
+            for table in writes.targets:
+                self.conn.writers[table.engine_id].fail(
+                    f"{where(table.engine_id, table.rank)}: {type(exc).__name__}: {exc}"
+                )
+            if lease is not None:
+                lease.release()
+            self.mode.unit_failed(writes.unit)
+
+    def _on_stall(self, since: float) -> None:
+        self.conn.abandon_laggards(since, self.settings.timeout)
+
+    def _submit(self, writes: UnitWrites, lease: Lease, regions: list[Region], dense: list[Region]) -> None:
+        """Hand a filled buffer's writes to the writers: all `regions` to each target, or
+        only the `dense` ones to a delta target (its sparse changes go as patches)."""
+        for table in writes.targets:
+            writer = self.conn.writers[table.engine_id]
+            if writer.progress.error is not None:
+                continue
+            addrs = {p.name: p.addr for p in table.params}
+            batch = WriteBatch()
+            for r in dense if self.mode.is_delta(table.target) else regions:
+                batch.add(lease.addr + r.buffer_offset, addrs[r.param] + r.param_offset, r.nbytes)
+            writer.submit(WriteJob(table.target, self.conn.peer(table.target), batch, lease))
+        lease.release()
+
+    def _submit_patches(self) -> None:
+        """Hand every staged delta patch to the writers of its unit's delta targets: written
+        into the target's patch area, then applied there by the engine."""
+        for patch in self.mode.ready():
+            for table in self.mode.targets_of(patch):
+                writer = self.conn.writers[table.engine_id]
+                if writer.progress.error is not None or table.patch_area is None:
+                    continue
+                batch = WriteBatch()
+                batch.add(patch.lease.addr, table.patch_area[0], patch.nbytes)
+                apply = self.calls.patch(table.engine_id, table.rank, patch.records)
+                writer.submit(WriteJob(table.target, self.conn.peer(table.target), batch, patch.lease, after=apply))
+            patch.lease.release()
+
+    def _verify(self, writes: UnitWrites, sent: Mapping[str, Produced]) -> None:
+        """Ask every target of the unit for digests of what it holds where this rank wrote
+        and compare with what was sent."""
+        if not sent:
+            return
+        for table in writes.targets:
+            writer = self.conn.writers[table.engine_id]
+            if writer.progress.error is not None:
+                continue
+            try:
+                held = self.calls.digests(table.engine_id, table.rank, {name: p.regions for name, p in sent.items()})
+            except ControlError as exc:
+                writer.fail(f"digest check failed: {exc}")
+                continue
+            for name, p in sent.items():
+                if held.get(name) != p.digest:
+                    writer.fail(
+                        f"{where(table.engine_id, table.rank, name)}: digest mismatch after write "
+                        f"(sent {p.digest}, engine holds {held.get(name)})"
+                    )
+                    break
+
+    def _report(self, start: float, per_rank: Sequence[WriteStatus]) -> UpdateReport:
+        """Every rank's write statuses merged per engine; then the finish calls (world rank 0)."""
+        engines = {e: EngineReport(e, ok=e not in self.failed, error=self.failed.get(e)) for e in self.conn.tables}
+        for statuses in per_rank:
+            for engine, (rank_bytes, seconds, error) in statuses.items():
+                report = engines[engine]
+                for rank, nbytes in rank_bytes.items():
+                    report.bytes += nbytes
+                    report.rank_bytes[rank] = report.rank_bytes.get(rank, 0) + nbytes
+                report.seconds = max(report.seconds, seconds)
+                if error and report.error is None:
+                    report.ok, report.error = False, error
+        for engine, report in engines.items():
+            if not report.ok:
+                log.warning("engine %s is stale: %s", engine, report.error)
+                continue
+            error = self.calls.finish(engine)
+            if error is None:
+                report.checked = self.settings.check
+            else:
+                report.ok, report.error = False, error
+        return UpdateReport(version=self.version, seconds=time.monotonic() - start, engines=engines)
+
+
+def _fill_packed(packing: Packing, shards: Mapping[str, Any], out: torch.Tensor) -> list[Region]:
+    packing.fill(shards, out)
+    return packing.regions
+
+
+def _record(lease: Lease, regions: list[Region], produced: dict[str, Produced]) -> None:
+    data = byte_view(lease.tensor)
+    by_param: dict[str, list[Region]] = defaultdict(list)
+    for r in regions:
+        by_param[r.param].append(r)
+    for param, rs in by_param.items():
+        produced[param] = Produced(digest(data, [(r.buffer_offset, r.nbytes) for r in rs]), rs)
