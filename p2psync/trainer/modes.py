@@ -71,18 +71,8 @@ class DeltaUpdates:
     """A target that holds its unit's baseline gets only what changed: dense chunks as plain
     writes, sparse ones as patches its engine applies (see `delta_send`)."""
 
-    def __init__(
-        self,
-        options: DeltaOptions,
-        *,
-        device: str,
-        pin_memory: bool,
-        acquire_timeout: float,
-        on_stall: Callable[[float], None],
-    ) -> None:
-        self.sender = DeltaSender(
-            options, device=device, pin_memory=pin_memory, acquire_timeout=acquire_timeout, on_stall=on_stall
-        )
+    def __init__(self, sender: DeltaSender) -> None:
+        self.sender = sender
         self._clock: PhaseClock | None = None
 
     @property
@@ -147,4 +137,6 @@ def mode_for(
     """The update mode `options` ask for (None: full updates)."""
     if options is None:
         return FullUpdates()
-    return DeltaUpdates(options, device=device, pin_memory=pin_memory, acquire_timeout=timeout, on_stall=on_stall)
+    return DeltaUpdates(
+        DeltaSender(options, device=device, pin_memory=pin_memory, acquire_timeout=timeout, on_stall=on_stall)
+    )
