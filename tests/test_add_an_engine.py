@@ -12,10 +12,6 @@ updates reach such an engine's regions (parts of parameters, at offsets) just as
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
-
 import pytest
 import torch
 from torch import nn
@@ -23,8 +19,6 @@ from torch import nn
 from p2psync.conformance import EngineCase, EngineTargetTests
 from p2psync.conformance.base import row_shards, specs_of
 from p2psync.trainer.gatherfree import compile_packing
-from p2psync.core.rendezvous import Rendezvous
-from p2psync.trainer.session import Session
 from p2psync.layouts.layout import EngineLayout
 from tests.helpers.toy_engine import (
     HEAD_DIM,
@@ -36,8 +30,9 @@ from tests.helpers.toy_engine import (
     ToyTarget,
     engine_rank,
     hf_model,
-    serve_toy,
+    toy_session,
 )
+
 
 @pytest.mark.parametrize(("tp", "rank"), [(1, 0), (2, 0), (2, 1), (4, 3)])
 class TestToyEngine(EngineTargetTests):
@@ -70,28 +65,6 @@ def test_the_shared_room_gives_copy_maps_and_falls_back_per_parameter():
 
 def state_of(trainer: nn.Module) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in trainer.state_dict().items()}
-
-
-@contextmanager
-def toy_session(source: Any, tp: int = 2, **session: Any) -> Iterator[tuple[Session, list[ToyEngineModel]]]:
-    """Engine toy-0's `tp` ranks (0xA5 bytes at first) served over samehost in this process,
-    and a session of `source` (a trainer source) connected to them."""
-    from p2psync.core.plugins import registry
-
-    registry().add("engine_targets", ToyTarget, "tests", "0")
-    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="toy", is_server=True, timeout=10)
-    engines = [engine_rank(tp, r, {})[0] for r in range(tp)]
-    endpoints = [
-        serve_toy(engine, engine_id="toy-0", rendezvous=rendezvous, transport="samehost") for engine in engines
-    ]
-    try:
-        with Session(source=source, transport="samehost", rendezvous=rendezvous, check=True, **session) as s:
-            s.connect(["toy-0"])
-            yield s, engines
-    finally:
-        for endpoint in endpoints:
-            endpoint.close()
-        del registry().entries["engine_targets"]["toy"]
 
 
 def assert_own_load(engines: list[ToyEngineModel], sources: dict[str, torch.Tensor], when: object) -> None:

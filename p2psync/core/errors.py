@@ -50,6 +50,16 @@ class TrainerLost(UpdateError):
     """A trainer rank left the world during `update`; the message names it."""
 
 
+class ConcurrentCallError(P2PSyncError):
+    """`connect` or `update` was called on a Session while another thread's call was running
+    on it; the running call is not disturbed."""
+
+
+class VersionError(P2PSyncError):
+    """An update's version label was used before in this session, or orders before the
+    latest one: one label would name two sets of weights. Raised before anything is written."""
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of an exception's message (torch's distributed errors append C++
     frames), or its type's name if it has none."""

@@ -22,6 +22,7 @@ from ..core.types import TargetTable
 from . import collectives
 from .connect import Connector
 from .connection import Connection
+from .guards import OneCallAtATime, VersionLabels
 from .liveness import Heartbeat
 from .modes import mode_for
 from .options import SessionOptions
@@ -65,6 +66,8 @@ class Session:
         self._heartbeat = Heartbeat(rendezvous, self.rank, collectives.world_size())
         self._broken: str | None = None  # why update cannot run again
         self._last: UpdateRun | None = None
+        self._calls = OneCallAtATime(self.rank)
+        self._labels = VersionLabels()
         self._mode = mode_for(
             opts.delta_options, device=opts.buffer_device, pin_memory=opts.pin_memory,
             timeout=opts.transfer_timeout, on_stall=self._on_stall,
@@ -118,7 +121,12 @@ class Session:
         engine, rank and parameter, for anything that cannot be served; nothing is
         written then, and the session stays as it was (still connected as before, or
         not at all). Layouts and peers of engines that did not change are reused.
+        A call while another thread's connect or update runs raises ConcurrentCallError.
         """
+        with self._calls.call("connect"):
+            self._connect(engines)
+
+    def _connect(self, engines: Sequence[str]) -> None:
         named_twice = sorted({e for e in engines if list(engines).count(e) > 1})
         if named_twice:
             raise ConnectError(f"engine {named_twice[0]!r} is named twice in connect({list(engines)!r})")
@@ -151,7 +159,12 @@ class Session:
         )
 
     def update(
-        self, version: str, *, progress: Callable[[int, int], None] | None = None, full: bool = False
+        self,
+        version: str,
+        *,
+        progress: Callable[[int, int], None] | None = None,
+        full: bool = False,
+        rollback: bool = False,
     ) -> UpdateReport:
         """Write the trainer's current weights into every connected engine.
 
@@ -161,13 +174,23 @@ class Session:
         side (a lost trainer rank, a failed gather, an exception from `progress`)
         raises UpdateError (TrainerLost naming the lost ranks); the engines paused for
         this update are not resumed, and the session cannot update again. In delta
-        mode, `full` sends every target its full bytes this time.
+        mode, `full` sends every target its full bytes this time. A version label used
+        before in this session, or one ordering before the latest, raises VersionError
+        unless `rollback`; a call while another thread's runs raises ConcurrentCallError.
         """
+        with self._calls.call("update"):
+            return self._update(version, progress, full, rollback)
+
+    def _update(
+        self, version: str, progress: Callable[[int, int], None] | None, full: bool, rollback: bool
+    ) -> UpdateReport:
         if self._broken is not None:
             raise UpdateError(self._broken)
         conn = self._conn
         if conn is None:
             raise P2PSyncError("update before connect")
+        self._labels.check(version, rollback=rollback)
+        self._labels.record(version)
         settings = RunSettings(self.rank, self.check, self.options.transfer_timeout, self.options.lease_seconds)
         self._last = UpdateRun(conn, self.source, self._mode, settings, version)
         with self._heartbeat:

@@ -4,7 +4,9 @@ trainer source of plain tensors that claims local shards. See that test's docstr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,6 +16,7 @@ from p2psync.core.source import LocalShard
 from p2psync.core.types import TargetParam, TargetTable
 from p2psync.engine.endpoint import EndpointControl, EngineEndpoint
 from p2psync.layouts import RankModel, RankModelTarget
+from p2psync.trainer.session import Session
 from tests.helpers.doubles import DictSource
 
 VOCAB, HIDDEN, HEADS, HEAD_DIM, LAYERS = 50, 16, 4, 4, 2
@@ -146,3 +149,25 @@ class ShardSource(DictSource):
             ranges = self.claims.get(name, ((0, flat.numel()),))
             out[name] = LocalShard(ranges, torch.cat([flat[a:b] for a, b in ranges]) if ranges else flat[:0])
         return out
+
+
+@contextmanager
+def toy_session(source: Any, tp: int = 2, **session: Any) -> Iterator[tuple[Session, list[ToyEngineModel]]]:
+    """Engine toy-0's `tp` ranks (0xA5 bytes at first) served over samehost in this process,
+    and a session of `source` (a trainer source) connected to them."""
+    from p2psync.core.plugins import registry
+
+    registry().add("engine_targets", ToyTarget, "tests", "0")
+    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="toy", is_server=True, timeout=10)
+    engines = [engine_rank(tp, r, {})[0] for r in range(tp)]
+    endpoints = [
+        serve_toy(engine, engine_id="toy-0", rendezvous=rendezvous, transport="samehost") for engine in engines
+    ]
+    try:
+        with Session(source=source, transport="samehost", rendezvous=rendezvous, check=True, **session) as s:
+            s.connect(["toy-0"])
+            yield s, engines
+    finally:
+        for endpoint in endpoints:
+            endpoint.close()
+        del registry().entries["engine_targets"]["toy"]
