@@ -36,7 +36,9 @@ class UpdateReport:
 
     In delta mode, `delta_memory_bytes` is the host memory all senders hold for it
     (baselines and patch buffers), and `changed_elements` of `compared_elements`
-    changed since the delta targets' baselines.
+    changed since the delta targets' baselines. `degraded` says, in words, where the
+    update took a slower way than asked (tensors gathered instead of sent gather-free,
+    units sent in full instead of as deltas), so that nothing degrades silently.
     """
 
     version: str
@@ -45,6 +47,7 @@ class UpdateReport:
     delta_memory_bytes: int = 0
     changed_elements: int = 0
     compared_elements: int = 0
+    degraded: list[str] = field(default_factory=list)
 
     @property
     def changed_fraction(self) -> float:
@@ -70,6 +73,7 @@ class UpdateReport:
             lines.append(f"  {e.engine_id:<16} {status:<7} {e.bytes:>14,} {e.seconds:>9.3f} {e.gbps:>7.2f}  {check}")
             if e.error:
                 lines.append(f"    error: {e.error}")
+        lines += [f"  degraded: {note}" for note in self.degraded]
         if self.delta_memory_bytes:
             lines.append(
                 f"  delta: {self.changed_fraction:.4%} of {self.compared_elements:,} elements changed; "

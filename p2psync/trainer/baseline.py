@@ -68,8 +68,9 @@ class BaselineStore:
         baseline = self._units.get(unit)
         return None if baseline is None else baseline.update
 
-    def start_update(self) -> None:
-        """Allocate the baselines that fit the budget and mark every one as being overwritten."""
+    def start_update(self) -> list[str]:
+        """Allocate the baselines that fit the budget and mark every one as being overwritten;
+        the units left without one (always sent in full)."""
         import torch
 
         held = self.held_bytes
@@ -83,10 +84,11 @@ class BaselineStore:
                 held += baseline.nbytes
             baseline.update, baseline.broken = None, False
         if left_out:
-            log.info(
+            log.warning(
                 "delta baselines: %d unit(s) do not fit the %d-byte budget and are always sent in full: %s",
                 len(left_out), self.budget, ", ".join(left_out),
             )
+        return left_out
 
     def slot(self, unit: str, group: ParamGroup) -> torch.Tensor | None:
         """The baseline bytes of `group` (its slot, `group.nbytes` long), or None if the unit has none."""

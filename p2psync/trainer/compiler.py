@@ -50,6 +50,8 @@ class Compiled:
     gather_dtypes: dict[str, str]
     #: Every target this rank writes to (its peers).
     targets: set[TargetId] = field(default_factory=set)
+    #: Where this rank gathers what it was asked to send gather-free, in words.
+    degraded: list[str] = field(default_factory=list)
 
     def served(self) -> dict[str, tuple[list[TargetTable], list[ParamGroup]]]:
         """Per unit this rank produces from gathered tensors: its targets, and its groups in
@@ -111,6 +113,7 @@ def compile_connection(
 
     packed = _gather_free(units, groups_of, layouts, sender, held)
     groups_of = {u: [g for g in gs if g not in packed.get(u, {})] for u, gs in groups_of.items()}
+    degraded = _gathered_instead(groups_of, layouts) if any(held) else []
     plan = build_plan(
         sender.group_ranks,
         [
@@ -152,7 +155,25 @@ def compile_connection(
         packed_inputs=sorted({n for packings in packed.values() for g in packings for n in g.inputs}),
         gather_dtypes=narrower_dtypes(sender.specs, reads),
         targets=targets,
+        degraded=degraded,
     )
+
+
+def _gathered_instead(gathered: Mapping[str, list[ParamGroup]], layouts: Mapping[str, Layout]) -> list[str]:
+    """Why the groups left to gather are not sent gather-free."""
+    computed = [g for u, gs in gathered.items() for g in gs if layouts[u].copy_runs(g, {}) is None]
+    unheld = [g for gs in gathered.values() for g in gs if g not in computed]
+    notes = []
+    for groups, why in [
+        (unheld, "their HF tensors are not held exactly once across the sender group's ranks"),
+        (computed, "the engine's loader computes their bytes (not copies of the trainer's tensors)"),
+    ]:
+        if groups:
+            notes.append(
+                f"gather-free: {len(groups)} parameter group(s) over the engine ranks gathered instead "
+                f"(e.g. {groups[0].outputs[0]!r}): {why}"
+            )
+    return notes
 
 
 def _own_groups(table: TargetTable, layout: Layout, specs: Mapping[str, ParamSpec]) -> list[ParamGroup]:

@@ -80,6 +80,13 @@ class Connector:
             self.rank, tuple(self.group.ranks), mine, self.options.bucket_bytes, self.source.bucket_kind
         )
         conn.compiled = compiled = compile_connection(conn.tables, layouts, sender, held)
+        if self.options.gather == "auto" and not any(held):
+            compiled.degraded.append(
+                f"gather-free: the trainer source {self.source.name!r} describes no local shards; "
+                "every HF tensor is gathered"
+            )
+        for note in compiled.degraded:
+            log.warning("%s", note)
         need = compiled.buffer_bytes(self.options.bucket_bytes)
         if current is not None and current.pool is not None and current.pool.nbytes >= need:
             conn.pool = current.pool

@@ -70,6 +70,8 @@ class DeltaStats:
     targets: list[TargetId] = field(default_factory=list)
     changed: int = 0
     compared: int = 0
+    over_budget: int = 0  # units without a baseline: the memory budget is too small
+    whole_bytes: int = 0  # bytes of gather-free groups, which have no baseline, sent in full
 
 
 class DeltaSender:
@@ -105,6 +107,7 @@ class DeltaSender:
         self._open: StagedPatch | None = None
         self._ready: list[StagedPatch] = []
         self._updates = 0
+        self.deltas_due = False
 
     # -- connect ---------------------------------------------------------------------------
 
@@ -148,6 +151,7 @@ class DeltaSender:
         """Decide which served targets get a delta in this update (before any baseline changes)."""
         due = self.options.full_every > 0 and self._updates % self.options.full_every == 0
         self._updates += 1
+        self.deltas_due = not (full or due) and self._updates > 1  # else every target gets a full update anyway
         self._delta = set()
         if not (full or due) and self._pool is not None:
             for unit, unit_tables in self._served.items():
@@ -155,8 +159,8 @@ class DeltaSender:
                 for table in unit_tables:
                     if table.patch_area is not None and base is not None and self._held.get(table.target) == base:
                         self._delta.add(table.target)
-        self.store.start_update()
-        self.stats = DeltaStats(targets=sorted(self._delta, key=str))
+        left_out = self.store.start_update()
+        self.stats = DeltaStats(targets=sorted(self._delta, key=str), over_budget=len(left_out))
 
     def is_delta(self, target: TargetId) -> bool:
         return target in self._delta
@@ -260,6 +264,18 @@ class DeltaSender:
             report.compared_elements += stats.compared
         for engine in report.engines.values():
             engine.delta_ranks.sort()
+        over_budget = sum(stats.over_budget for _, stats in per_rank)
+        whole = sum(stats.whole_bytes for _, stats in per_rank)
+        if over_budget:
+            report.degraded.append(
+                f"delta: {over_budget} unit(s) of the senders do not fit the baselines' memory budget "
+                f"({self.options.memory_bytes:,} bytes per rank) and were sent in full"
+            )
+        if whole:
+            report.degraded.append(
+                f"delta: {whole:,} bytes of gather-free groups were sent in full (a rank's own shards "
+                "have no delta baseline)"
+            )
         for target in self._tables:
             engine = report.engines.get(target.engine_id)
             if engine is not None and engine.ok:

@@ -102,6 +102,8 @@ class DeltaUpdates:
         """Compare a gathered group with its baseline (the time is the clock's `delta`
         phase); a gather-free group (None) has no baseline and is written whole."""
         if group is None:
+            if self.sender.deltas_due:
+                self.sender.stats.whole_bytes += sum(r.nbytes for r in written)
             return list(written)
         assert self._clock is not None, "begin() first"
         self._clock.lap("produce")

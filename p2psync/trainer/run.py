@@ -103,10 +103,13 @@ class UpdateRun:
             engine: (w.progress.rank_bytes, (w.progress.last_done or start) - start, w.progress.error)
             for engine, w in self.conn.writers.items()
         }
-        statuses = collectives.all_gather(mine)
-        report = collectives.broadcast(self._report(start, statuses) if leader else None)
+        per_rank = collectives.all_gather((mine, self.compiled.degraded))
+        report = collectives.broadcast(self._report(start, per_rank) if leader else None)
         self.clock.lap("finish")
         self.mode.finish(report)
+        if leader:
+            for note in report.degraded:
+                log.warning("update %s degraded: %s", self.version, note)
         return report
 
     def _progressed(self) -> None:
@@ -243,10 +246,12 @@ class UpdateRun:
                     )
                     break
 
-    def _report(self, start: float, per_rank: Sequence[WriteStatus]) -> UpdateReport:
-        """Every rank's write statuses merged per engine; then the finish calls (world rank 0)."""
+    def _report(self, start: float, per_rank: Sequence[tuple[WriteStatus, list[str]]]) -> UpdateReport:
+        """Every rank's write statuses merged per engine, and what degraded; then the finish
+        calls (world rank 0)."""
         engines = {e: EngineReport(e, ok=e not in self.failed, error=self.failed.get(e)) for e in self.conn.tables}
-        for statuses in per_rank:
+        degraded = list(dict.fromkeys(note for _, notes in per_rank for note in notes))
+        for statuses, _ in per_rank:
             for engine, (rank_bytes, seconds, error) in statuses.items():
                 report = engines[engine]
                 for rank, nbytes in rank_bytes.items():
@@ -264,7 +269,9 @@ class UpdateRun:
                 report.checked = self.settings.check
             else:
                 report.ok, report.error = False, error
-        return UpdateReport(version=self.version, seconds=time.monotonic() - start, engines=engines)
+        return UpdateReport(
+            version=self.version, seconds=time.monotonic() - start, engines=engines, degraded=degraded
+        )
 
 
 def _fill_packed(packing: Packing, shards: Mapping[str, Any], out: torch.Tensor) -> list[Region]:

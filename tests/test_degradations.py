@@ -1,0 +1,74 @@
+"""Nothing degrades silently: where an update takes a slower way than the session asked for,
+its report says so in words (`UpdateReport.degraded`, also in `format()`) and the log says
+it at warning level. The toy engine's ranks must still hold their own loader's bytes."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tests.helpers.doubles import DictSource
+from tests.helpers.toy_engine import ShardSource, engine_rank, hf_model, toy_session
+
+
+def tensors_of(seed: int) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in hf_model(seed).state_dict().items()}
+
+
+def assert_own_load(engines, sources):
+    for rank, engine in enumerate(engines):
+        expected = engine_rank(len(engines), rank, sources)[1]
+        for name, p in engine.named_parameters():
+            assert torch.equal(p.data.view(torch.uint8), expected[name].view(torch.uint8)), (rank, name)
+
+
+def test_a_source_without_local_shards_says_everything_was_gathered(caplog):
+    with caplog.at_level(logging.WARNING), toy_session(DictSource(tensors_of(0)), gather="auto") as (session, engines):
+        report = session.update("v1")
+    assert report.ok
+    assert any("'test-dict' describes no local shards" in note for note in report.degraded), report.degraded
+    assert "degraded: gather-free" in report.format()
+    assert any("describes no local shards" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+
+
+def test_groups_gathered_instead_of_gather_free_are_named_with_why():
+    sources = tensors_of(0)
+    twice = {"layers.0.q.weight": ((0, sources["layers.0.q.weight"].numel()),) * 2}
+    with toy_session(ShardSource(sources, twice), gather="auto") as (session, engines):
+        report = session.update("v1")
+        assert_own_load(engines, sources)
+    assert report.ok
+    # layer 0's fused qkv reads q, on each of the two engine ranks
+    assert any("2 parameter group(s) over the engine ranks gathered instead (e.g. 'layers.0.qkv'): their HF "
+               "tensors are not held exactly once" in n for n in report.degraded), report.degraded
+    assert any("the engine's loader computes their bytes" in n for n in report.degraded), report.degraded
+
+
+def test_a_full_gathering_session_reports_nothing_degraded():
+    with toy_session(DictSource(tensors_of(0))) as (session, engines):
+        assert session.update("v1").degraded == []
+
+
+def test_units_over_the_delta_budget_are_reported_sent_in_full():
+    source = DictSource(tensors_of(0))
+    with toy_session(source, delta={"memory_bytes": 1}) as (session, engines):
+        session.update("v1")
+        source.tensors.update(tensors_of(1))
+        report = session.update("v2")
+        assert_own_load(engines, source.tensors)
+    assert report.ok and report.engines["toy-0"].delta_ranks == []
+    assert any("do not fit the baselines' memory budget (1 bytes per rank) and were sent in full" in n
+               for n in report.degraded), report.degraded
+
+
+def test_gather_free_groups_under_delta_are_reported_sent_in_full():
+    source = ShardSource(tensors_of(0))
+    with toy_session(source, delta=True, gather="auto") as (session, engines):
+        first = session.update("v1")
+        source.tensors.update(tensors_of(1))
+        second = session.update("v2")
+        assert_own_load(engines, source.tensors)
+    assert not any(n.startswith("delta:") for n in first.degraded), "a first update is full for every target anyway"
+    assert second.ok
+    assert any("bytes of gather-free groups were sent in full" in n for n in second.degraded), second.degraded
