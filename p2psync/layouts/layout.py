@@ -28,6 +28,7 @@ from .copymap import UNTOUCHED, Block, compile_blocks, replay, written_runs
 from .probe import ElementMap, connected_groups, probe_elements, trace_feeds, written_bytes
 from .rank_model import ParameterHolders, RankModel
 from .shard import block_runs
+from .structures import compile_shared, renamed, structure_key
 
 log = logging.getLogger(__name__)
 
@@ -100,14 +101,19 @@ class EngineLayout(Layout):
         edges = [(hf, param) for param, hfs in feeds.items() for hf in hfs]
         # HF tensors produced together join through the parameters either feeds
         edges += [(b, param) for a, b in together for param, hfs in feeds.items() if a in hfs]
-        self._groups: dict[tuple[str, ...], _Group] = {}
-        for inputs, outputs in connected_groups(edges, list(sources), list(self._holders.params)):
-            group = self._compile(rank_model, [sources[n] for n in inputs], outputs, mode)
-            self._groups[outputs] = group
+        instances = connected_groups(edges, list(sources), list(self._holders.params))
+        compiled, shared = compile_shared(
+            instances,
+            lambda instance: structure_key(instance, sources, self._holders.params),
+            lambda instance: self._compile(rank_model, [sources[n] for n in instance[0]], instance[1], mode),
+            _renamed_group,
+        )
+        self._groups: dict[tuple[str, ...], _Group] = {g.group.outputs: g for g in compiled}
+        self.shared_groups = shared  # compiled by renaming a group of the same structure
         self.rank_model: RankModel | None = rank_model if self.loader_params else None
         log.info(
-            "%s: %d groups, %d parameters by the engine's loader",
-            where(table.engine_id, table.rank), len(self._groups), len(self.loader_params),
+            "%s: %d groups (%d shared with a group of the same structure), %d parameters by the engine's loader",
+            where(table.engine_id, table.rank), len(self._groups), shared, len(self.loader_params),
         )
 
     @property
@@ -216,6 +222,22 @@ class EngineLayout(Layout):
             return blocks
         log.debug("%s: its copies do not reproduce the loader's bytes", where(self.table.engine_id, self.table.rank, slot.name))
         return None
+
+
+def _renamed_group(group: _Group, names: Mapping[str, str]) -> _Group:
+    """`group` as the group of the same structure whose names `names` gives."""
+    inputs, outputs = (tuple(names[n] for n in side) for side in (group.group.inputs, group.group.outputs))
+    return _Group(
+        ParamGroup(inputs, outputs, group.group.nbytes),
+        [
+            _Param(
+                renamed(p.slot, names, ("name",)),
+                [renamed(r, names, ("param",)) for r in p.regions],
+                None if p.blocks is None else [renamed(b, names, ("source",)) for b in p.blocks],
+            )
+            for p in group.params
+        ],
+    )
 
 
 class LoaderRefusal(ConnectError):

@@ -29,13 +29,13 @@ def padded_vocab(tp: int) -> int:
 class ToyEngineModel(nn.Module):
     """The engine's model of TP rank `rank` of `tp`, and its own loader of HF tensors."""
 
-    def __init__(self, tp: int, rank: int) -> None:
+    def __init__(self, tp: int, rank: int, layers: int = LAYERS) -> None:
         super().__init__()
         self.tp, self.rank = tp, rank
         heads = HEADS // tp
         self.embed = nn.Parameter(torch.empty(padded_vocab(tp) // tp, HIDDEN))
         self.layers = nn.ModuleList()
-        for _ in range(LAYERS):
+        for _ in range(layers):
             layer = nn.Module()
             layer.qkv = nn.Parameter(torch.empty(3 * heads * HEAD_DIM, HIDDEN))
             layer.o = nn.Parameter(torch.empty(HIDDEN, heads * HEAD_DIM))
@@ -65,13 +65,13 @@ class ToyEngineModel(nn.Module):
                 layer.norm.data.copy_(w + 1)
 
 
-def hf_model(seed: int) -> nn.Module:
+def hf_model(seed: int, layers: int = LAYERS) -> nn.Module:
     """The trainer's model: the HF checkpoint names, one tensor per projection."""
     torch.manual_seed(seed)
     model = nn.Module()
     model.embed = nn.Embedding(VOCAB, HIDDEN)
     model.layers = nn.ModuleList()
-    for _ in range(LAYERS):
+    for _ in range(layers):
         layer = nn.Module()
         for leaf in "qkv":
             setattr(layer, leaf, nn.Linear(HIDDEN, HEADS * HEAD_DIM, bias=False))
@@ -86,9 +86,9 @@ def hf_model(seed: int) -> nn.Module:
 
 
 class ToyRankModel(RankModel):
-    def __init__(self, tp: int, rank: int, device: str = "meta") -> None:
+    def __init__(self, tp: int, rank: int, device: str = "meta", layers: int = LAYERS, model=ToyEngineModel) -> None:
         with torch.device(device):
-            self.model = ToyEngineModel(tp, rank)
+            self.model = model(tp, rank, layers)
 
     def load(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
         self.model.load_weights(items)
@@ -98,7 +98,7 @@ class ToyTarget(RankModelTarget):
     name = "toy"
 
     def rank_model(self, table: TargetTable) -> RankModel:
-        return ToyRankModel(table.layout_key["tp"], table.rank)
+        return ToyRankModel(table.layout_key["tp"], table.rank, layers=table.layout_key.get("layers", LAYERS))
 
     def control(self, tables, *, timeout, token=""):
         return EndpointControl(tables, timeout=timeout, token=token)
@@ -112,17 +112,20 @@ def serve_toy(model: ToyEngineModel, *, engine_id: str, rendezvous: Rendezvous, 
     )
 
 
-def engine_rank(tp: int, rank: int, sources: dict[str, torch.Tensor]) -> tuple[ToyEngineModel, dict, TargetTable]:
+def engine_rank(
+    tp: int, rank: int, sources: dict[str, torch.Tensor], layers: int = LAYERS, model: type = ToyEngineModel
+) -> tuple[ToyEngineModel, dict, TargetTable]:
     """An engine rank whose memory starts as 0xA5 bytes, what its own loader leaves there, and its table."""
-    engine = ToyRankModel(tp, rank, "cpu").model
+    engine = ToyRankModel(tp, rank, "cpu", layers, model).model
     for p in engine.parameters():
         p.data.view(torch.uint8).fill_(0xA5)
-    loaded = ToyRankModel(tp, rank, "cpu").model
+    loaded = ToyRankModel(tp, rank, "cpu", layers, model).model
     for p in loaded.parameters():
         p.data.view(torch.uint8).fill_(0xA5)
     loaded.load_weights(list(sources.items()))
     table = TargetTable(
-        engine_id="toy-0", rank=rank, world_size=tp, engine="toy", layout_key={"tp": tp}, transport="samehost",
+        engine_id="toy-0", rank=rank, world_size=tp, engine="toy",
+        layout_key={"tp": tp} | ({"layers": layers} if layers != LAYERS else {}), transport="samehost",
         transport_info={}, control_url="", job_id="j",
         params=tuple(
             TargetParam(n, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.data_ptr(), p.numel() * p.element_size())

@@ -1,0 +1,79 @@
+"""Compile once per structure: groups that differ only in their layer or expert numbers share
+one compiled map, renamed.
+
+A model's decoder layers are loaded the same way layer after layer, so probing every one
+of them costs layers x elements for nothing. Groups whose input and output names are equal
+once every number in them is masked, with equal shapes and dtypes position by position, are
+one structure. Its first, second and last instances are compiled in full; if the second and
+the last equal the first renamed (names mapped position by position), every other instance
+is the first renamed, without running the loader. Otherwise every instance is compiled on
+its own, as without sharing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from ..core.types import ParamSpec
+
+#: A group as `connected_groups` gives it: its inputs and its outputs.
+Instance = tuple[tuple[str, ...], tuple[str, ...]]
+G = TypeVar("G")
+
+_NUMBER = re.compile(r"\d+")
+
+
+def structure_key(
+    instance: Instance, sources: Mapping[str, ParamSpec], params: Mapping[str, Any]
+) -> tuple[Any, ...]:
+    """What two groups must share to be one structure: masked names, shapes and dtypes."""
+    inputs, outputs = instance
+    return (
+        tuple((_NUMBER.sub("#", n), tuple(sources[n].shape), sources[n].dtype) for n in inputs),
+        tuple((_NUMBER.sub("#", n), tuple(params[n].shape), str(params[n].dtype)) for n in outputs),
+    )
+
+
+def compile_shared(
+    instances: Sequence[Instance],
+    key: Callable[[Instance], tuple[Any, ...]],
+    compile_one: Callable[[Instance], G],
+    rename: Callable[[G, Mapping[str, str]], G],
+) -> tuple[list[G], int]:
+    """Every instance compiled, in order, and how many were compiled by renaming another."""
+    by_key: dict[tuple[Any, ...], list[int]] = {}
+    for i, instance in enumerate(instances):
+        by_key.setdefault(key(instance), []).append(i)
+    out: dict[int, G] = {}
+    shared = 0
+    for members in by_key.values():
+        checked = sorted({members[0], members[1 % len(members)], members[-1]})
+        for i in checked:
+            out[i] = compile_one(instances[i])
+        first = members[0]
+        if len(members) > len(checked) and all(
+            out[i] == rename(out[first], names_between(instances[first], instances[i])) for i in checked[1:]
+        ):
+            for i in members:
+                if i not in out:
+                    out[i] = rename(out[first], names_between(instances[first], instances[i]))
+                    shared += 1
+        else:
+            for i in members:
+                if i not in out:
+                    out[i] = compile_one(instances[i])
+    return [out[i] for i in range(len(instances))], shared
+
+
+def names_between(a: Instance, b: Instance) -> dict[str, str]:
+    """Position by position, the name in `b` of each name in `a` (inputs and outputs)."""
+    return dict(zip(a[0] + a[1], b[0] + b[1]))
+
+
+def renamed(item: Any, names: Mapping[str, str], fields: Sequence[str]) -> Any:
+    """A frozen dataclass `item` with its name `fields` mapped through `names`."""
+    changes = {f: names.get(getattr(item, f), getattr(item, f)) for f in fields if getattr(item, f) is not None}
+    return dataclasses.replace(item, **changes)
