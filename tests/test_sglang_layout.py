@@ -19,6 +19,7 @@ from p2psync.core.errors import ConnectError  # noqa: E402
 CASES = [
     *[(kind, tp, 1) for kind in ("qwen2", "qwen3", "deepseek_v3") for tp in (1, 2, 4)],
     ("qwen3_moe", 1, 1), ("qwen3_moe", 2, 2), ("qwen3_moe", 4, 2), ("qwen3_moe", 4, 4),
+    ("qwen3-deep", 2, 1), ("qwen3_moe-deep", 2, 2),  # 5 layers: decoder layers share compiled maps
 ]
 #: The replica runs sglang's loader per group on every update; one case per architecture covers it.
 REPLICA_CASES = [("qwen2", 2, 1), ("qwen3_moe", 2, 2), ("deepseek_v3", 2, 1)]
@@ -43,6 +44,8 @@ def check_every_rank(kind: str, tp: int, ep: int, mode: str) -> None:
             assert layout.rank_model is None, "a copy map without fallbacks keeps no rank model"
         else:
             assert len(layout.loader_params) == len(table.params)
+        if kind.endswith("-deep"):
+            assert layout.shared_groups > 0, "a deep model's layers share compiled maps"
         held = produce(layout, tensors, table)
         for name, tensor in expected.items():
             assert torch.equal(held[name], tensor.contiguous().view(-1).view(torch.uint8)), (kind, tp, ep, rank, name)

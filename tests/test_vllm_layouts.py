@@ -17,6 +17,7 @@ from p2psync.core.layout import Layout  # noqa: E402
 from p2psync.core.types import TargetTable  # noqa: E402
 
 CASES = [(kind, tp) for kind in ("qwen2", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3") for tp in (1, 2, 4)]
+CASES += [("qwen3-deep", 2), ("qwen3_moe-deep", 2)]  # 5 layers: decoder layers share compiled maps
 
 
 def produce(
@@ -47,6 +48,8 @@ def test_layout_bytes_equal_vllm_load_on_every_rank(kind, tp):
         assert all(t.count_nonzero() > 0 for t in expected.values()), "vLLM left a parameter unloaded"
         for mode in ("copy_map", "replica"):
             layout = VllmEngineTarget(layout=mode).layout(table, specs(tensors))
+            if kind.endswith("-deep"):
+                assert layout.shared_groups > 0, "a deep model's layers share compiled maps"
             assert_same_bytes(produce(layout, tensors, expected), expected)
 
 

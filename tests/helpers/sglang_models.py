@@ -23,22 +23,28 @@ def add_deepseek_fields(cfg: Any) -> None:
     cfg.moe_layer_freq, cfg.topk_method, cfg.scoring_func, cfg.norm_topk_prob = 1, "noaux_tc", "sigmoid", True
 
 
+#: A deep variant of a kind ("qwen3-deep"): enough decoder layers that layouts share compiled maps.
+DEEP = "-deep"
+
+
 def hf_config(kind: str) -> Any:
-    """A tiny transformers config of `kind` (no download), in bfloat16."""
+    """A tiny transformers config of `kind` (no download), in bfloat16; `<kind>-deep` has 5 layers."""
     import transformers
 
+    common = {**_COMMON, "num_hidden_layers": 5} if kind.endswith(DEEP) else _COMMON
+    kind = kind.removesuffix(DEEP)
     if kind == "qwen2":
-        cfg = transformers.Qwen2Config(**_COMMON, intermediate_size=96, num_key_value_heads=2, tie_word_embeddings=False)
+        cfg = transformers.Qwen2Config(**common, intermediate_size=96, num_key_value_heads=2, tie_word_embeddings=False)
     elif kind == "qwen3":
-        cfg = transformers.Qwen3Config(**_COMMON, intermediate_size=96, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+        cfg = transformers.Qwen3Config(**common, intermediate_size=96, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
     elif kind == "qwen3_moe":
         cfg = transformers.Qwen3MoeConfig(
-            **_COMMON, intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+            **common, intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
             num_key_value_heads=2, head_dim=16, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
         )
     elif kind == "deepseek_v3":
         cfg = transformers.DeepseekV3Config(
-            **_COMMON, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+            **common, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
             num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, num_key_value_heads=4,
             q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
             tie_word_embeddings=False, rope_parameters=DEEPSEEK_CPU_ROPE,

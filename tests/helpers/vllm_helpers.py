@@ -54,10 +54,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+#: A deep variant of a kind ("qwen3-deep"): enough decoder layers that layouts share compiled maps.
+DEEP = "-deep"
+
+
 def hf_config(kind: str, dtype: str = "bfloat16") -> Any:
+    """The transformers config of `kind`; `<kind>-deep` has 5 decoder layers."""
     import transformers
 
-    options = dict(CONFIGS[kind])
+    options = dict(CONFIGS[kind.removesuffix(DEEP)], **({"num_hidden_layers": 5} if kind.endswith(DEEP) else {}))
     config = getattr(transformers, options.pop("cls"))(**options, max_position_embeddings=256)
     config.dtype = dtype
     return config
