@@ -109,3 +109,27 @@ def test_a_sender_group_is_compiled_with_its_own_ranks():
     assert compiled.plan.senders == group.ranks
     assert compiled.targets == set(compiled.plan.targets_of(1))
     assert compiled.gather_free_bytes[0] == 0 and compiled.gather_free_bytes[1] > 0
+
+
+def test_a_second_session_and_a_reconnect_build_no_layout(monkeypatch):
+    """Layouts are kept per process under everything that decides them: a second session of the
+    same trainer to the same engine, and a reconnect, compile nothing; other engine options do."""
+    from p2psync.trainer.layouts import forget_layouts
+    from tests.helpers.doubles import DictSource
+    from tests.helpers.toy_engine import toy_session
+
+    built = []
+    real = ToyTarget.layout
+    monkeypatch.setattr(ToyTarget, "layout", lambda self, table, specs: built.append(table.rank) or real(self, table, specs))
+    forget_layouts()
+    sources = {n: t.detach().clone() for n, t in hf_model(0).state_dict().items()}
+    with toy_session(DictSource(sources)) as (session, _):
+        assert sorted(built) == [0, 1]
+        session.connect(["toy-0"])
+        assert session.update("v1").ok
+    with toy_session(DictSource(sources)) as (session, _):
+        assert session.update("v1").ok
+    assert sorted(built) == [0, 1], "the second session and the reconnect built no layout"
+    with toy_session(DictSource(sources), engine_options={"toy": {"layout": "replica"}}) as (session, _):
+        assert session.update("v1").ok
+    assert sorted(built) == [0, 0, 1, 1], "other engine options are another layout"

@@ -1,9 +1,18 @@
-"""The layouts a session has built, one per unit (layout key and rank), and the engine
-targets that build them: built once and reused by every later connect, so that a
-reconnect to engines whose layout keys did not change compiles nothing."""
+"""The layouts built so far, one per unit (layout key and rank), and the engine targets that
+build them: built once and reused by every later connect of any session in this process,
+so that a reconnect to engines whose layout keys did not change, or a second session
+beside the first (the bench's), compiles nothing.
+
+A layout is kept under everything that decides its bytes: the unit (engine kind and
+version, architecture, parallel layout, quantization and rank, as the engine publishes
+them), the engine kind's options, the trainer's HF tensors and p2psync's version.
+"""
 
 from __future__ import annotations
 
+import json
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from itertools import zip_longest
 from typing import Any
@@ -16,15 +25,28 @@ from ..core.types import ParamSpec, TargetTable
 from .plan import unit_of
 
 
+#: Layouts of this process, least recently used first: key (see `LayoutCache.key`) -> (the
+#: unit's parameters, layout); at most `KEPT` of them.
+_BUILT: OrderedDict[tuple[Any, ...], tuple[tuple[Any, ...], Layout]] = OrderedDict()
+_BUILT_LOCK = threading.Lock()
+KEPT = 256
+
+
+def forget_layouts() -> None:
+    """Drop every layout this process keeps (their rank models' memory with them)."""
+    with _BUILT_LOCK:
+        _BUILT.clear()
+
+
 class LayoutCache:
-    """Engine targets per engine kind (with their `engine_options`) and layouts per unit.
-    A refused connect may fill it but never spoils it: entries depend only on tables."""
+    """Engine targets per engine kind (with their `engine_options`) and, process-wide, layouts.
+    A refused connect may fill it but never spoils it: entries depend only on what they are
+    keyed by."""
 
     def __init__(self, registry: Registry, engine_options: Mapping[str, Mapping[str, Any]]) -> None:
         self.registry = registry
         self.engine_options = engine_options
         self._targets: dict[str, EngineTarget] = {}
-        self._layouts: dict[str, tuple[tuple[Any, ...], Layout]] = {}  # unit -> (its parameters, layout)
 
     def target(self, table: TargetTable) -> EngineTarget:
         """The engine target of `table`'s engine kind."""
@@ -40,9 +62,12 @@ class LayoutCache:
     def layout(self, table: TargetTable, specs: Mapping[str, ParamSpec]) -> Layout:
         """The layout of the table's unit; a later table of a unit must publish the same
         parameters as the first."""
-        unit = unit_of(table.layout_key_text, table.rank)
+        key = self.key(table, specs)
         params = tuple((p.name, p.shape, p.dtype, p.nbytes) for p in table.params)
-        cached = self._layouts.get(unit)
+        with _BUILT_LOCK:
+            cached = _BUILT.get(key)
+            if cached is not None:
+                _BUILT.move_to_end(key)
         if cached is not None:
             if cached[0] != params:
                 differ = next((a or b)[0] for a, b in zip_longest(params, cached[0]) if a != b)
@@ -52,5 +77,17 @@ class LayoutCache:
                 )
             return cached[1]
         layout = self.target(table).layout(table, specs)
-        self._layouts[unit] = (params, layout)
+        with _BUILT_LOCK:
+            _BUILT[key] = (params, layout)
+            while len(_BUILT) > KEPT:
+                _BUILT.popitem(last=False)
         return layout
+
+    def key(self, table: TargetTable, specs: Mapping[str, ParamSpec]) -> tuple[Any, ...]:
+        """Everything that decides the layout of `table`'s unit."""
+        from .. import __version__
+
+        options = json.dumps(self.engine_options.get(table.engine, {}), sort_keys=True, default=repr)
+        sources = tuple(sorted((s.name, tuple(s.shape), s.dtype) for s in specs.values()))
+        target = type(self.target(table))
+        return unit_of(table.layout_key_text, table.rank), target, options, sources, __version__
