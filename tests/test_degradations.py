@@ -72,3 +72,22 @@ def test_gather_free_groups_under_delta_are_reported_sent_in_full():
     assert not any(n.startswith("delta:") for n in first.degraded), "a first update is full for every target anyway"
     assert second.ok
     assert any("bytes of gather-free groups were sent in full" in n for n in second.degraded), second.degraded
+
+
+def test_a_failed_check_names_every_parameter_that_differs():
+    from p2psync.conformance.faults import corrupting
+    from p2psync.core.types import TargetId
+    from p2psync.transports.samehost.transport import SameHostTransport
+
+    transport = corrupting(SameHostTransport, TargetId("toy-0", 1))()
+    source = DictSource(tensors_of(0))
+    with toy_session(source, transport=transport, bucket_bytes=1) as (session, engines):
+        assert session.update("v1").ok
+        transport.armed = True
+        report = session.update("v2")
+    error = report.engines["toy-0"].error
+    assert report.stale == ["toy-0"] and "rank 1" in error, report.format()
+    # one wrong byte per write job: every group this update wrote to rank 1 lands one
+    named = [n for n in ("embed", "layers.0.qkv", "layers.0.o", "layers.1.qkv", "layers.1.o") if n in error]
+    assert len(named) >= 3, error
+    assert "more parameter(s) differ" in error, error

@@ -226,7 +226,8 @@ class UpdateRun:
 
     def _verify(self, writes: UnitWrites, sent: Mapping[str, Produced]) -> None:
         """Ask every target of the unit for digests of what it holds where this rank wrote
-        and compare with what was sent."""
+        and compare with what was sent; a target that differs fails, naming every parameter
+        that differs."""
         if not sent:
             return
         for table in writes.targets:
@@ -238,13 +239,14 @@ class UpdateRun:
             except ControlError as exc:
                 writer.fail(f"digest check failed: {exc}")
                 continue
-            for name, p in sent.items():
-                if held.get(name) != p.digest:
-                    writer.fail(
-                        f"{where(table.engine_id, table.rank, name)}: digest mismatch after write "
-                        f"(sent {p.digest}, engine holds {held.get(name)})"
-                    )
-                    break
+            wrong = [name for name, p in sent.items() if held.get(name) != p.digest]
+            if wrong:
+                first = wrong[0]
+                more = f"; {len(wrong) - 1} more parameter(s) differ: {', '.join(wrong[1:])}" if wrong[1:] else ""
+                writer.fail(
+                    f"{where(table.engine_id, table.rank, first)}: digest mismatch after write "
+                    f"(sent {sent[first].digest}, engine holds {held.get(first)}){more}"
+                )
 
     def _report(self, start: float, per_rank: Sequence[tuple[WriteStatus, list[str]]]) -> UpdateReport:
         """Every rank's write statuses merged per engine, and what degraded; then the finish

@@ -167,7 +167,8 @@ def toy_session(source: Any, tp: int = 2, **session: Any) -> Iterator[tuple[Sess
         serve_toy(engine, engine_id="toy-0", rendezvous=rendezvous, transport="samehost") for engine in engines
     ]
     try:
-        with Session(source=source, transport="samehost", rendezvous=rendezvous, check=True, **session) as s:
+        session.setdefault("transport", "samehost")
+        with Session(source=source, rendezvous=rendezvous, check=True, **session) as s:
             s.connect(["toy-0"])
             yield s, engines
     finally:
