@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -104,7 +105,8 @@ class MooncakeTransport(Transport):
         starting at once on one host can take each other's port in between. The loser's
         `initialize` raises "bind: Address already in use", or returns -1 after "unable to
         find available tcp port" when every port it tried was taken. A fresh engine picks
-        fresh ports, so either is retried."""
+        fresh ports, so either is retried, after a random pause that grows with each attempt
+        (processes that raced once would otherwise race again in step)."""
         if self._engine is None:
             os.environ.setdefault("MC_LOG_LEVEL", self.options.log_level)
             from mooncake.engine import TransferEngine
@@ -129,6 +131,7 @@ class MooncakeTransport(Transport):
                     raise TransferError(f"{start} {failure} (attempt {attempt})" + _said(said)) from cause
                 log.info("Mooncake lost a port race (%s); starting again on fresh ports", failure)
                 del engine
+                time.sleep(random.uniform(0, 0.05 * attempt))  # out of step with the processes it raced
         return self._engine
 
     def _register(self, tensor: torch.Tensor) -> None:
