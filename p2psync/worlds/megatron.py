@@ -3,7 +3,7 @@ Megatron trainers of the conformance worlds and the Megatron source tests.
 
 `load_hf` writes HF tensors into this rank's Megatron shards by hand (the inverse of
 what the source does): the tests check it in meaning, Megatron's logits against
-transformers' with the same weights (tests/test_megatron_source.py).
+transformers' with the same weights (tests/adapters/megatron/test_source.py).
 """
 
 from __future__ import annotations

@@ -1,1 +1,0 @@
-"""The conformance suite run against the built-in adapters, the engines and the integrations."""

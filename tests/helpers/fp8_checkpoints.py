@@ -1,7 +1,7 @@
 """Tiny fp8 checkpoints for the fp8 engine tests (sglang and vLLM): HF configs whose dimensions
 are block multiples (hidden 256, head_dim 128, MoE shards of 128 rows at TP 2), their random
 tensors, and the oracle: the fp8 checkpoint an engine's own loader is fed, quantized by the
-named quantizer (tests/test_quantizers.py checks each against its public reference) from the
+named quantizer (tests/layouts/test_quantizers.py checks each against its public reference) from the
 tensors each engine serves in fp8, listed here by name rather than derived from the engine."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The toy engine of tests/test_add_an_engine.py: a third engine kind built from a plain torch
+"""The toy engine of tests/layouts/test_add_an_engine.py: a third engine kind built from a plain torch
 model class, with what an engine adapter writes (a rank model, a target, an endpoint), and a
 trainer source of plain tensors that claims local shards. See that test's docstring."""
 

@@ -23,7 +23,7 @@ from p2psync.core.source import TrainerSource
 from p2psync.core.transport import Transport, WriteBatch
 from p2psync.core.types import ParamSpec, TargetParam, TargetTable
 
-PLUGIN_PKG = Path(__file__).parent / "plugin_pkg"
+PLUGIN_PKG = Path(__file__).parents[1] / "plugin_pkg"
 MODULE = "p2psync_testplugin"
 #: Registrations p2psync itself must provide (it may provide more).
 BUILTINS = {("trainer_sources", "fsdp2"), ("engine_targets", "torch"), ("transports", "mooncake")}

@@ -1,5 +1,5 @@
 """miles' and slime's updater interface: model names and the frameworks' signatures (environment
-py). The updaters driven in their actors' call order run in tests/conformance/test_miles.py."""
+py). The updaters driven in their actors' call order run in tests/matrix/test_miles.py."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Megatron-Bridge's own DeepSeek mappings as a trainer source (environment bridge): they turn a
 Megatron-Core model into the HF tensors bit for bit. Its round trips into torch engines run in
-tests/conformance/test_builtin.py (trainer megatron-bridge).
+tests/matrix/test_builtin.py (trainer megatron-bridge).
 
-megatron-bridge 0.3.1 does not import whole on a CPU machine (see tests/test_megatron_bridge.py):
+megatron-bridge 0.3.1 does not import whole on a CPU machine (see tests/adapters/megatron/test_bridge.py):
 its mapping modules are loaded without the package `__init__`.
 """
 

@@ -1,12 +1,12 @@
 """fp8 engines through the layouts room alone, with a toy fp8 engine built from a plain torch class
-(runs in tox -e py; sglang and vLLM fp8 engines: tests/test_fp8_sglang.py, tests/test_fp8_vllm.py).
+(runs in tox -e py; sglang and vLLM fp8 engines: tests/adapters/sglang/test_fp8.py, tests/adapters/vllm/test_fp8.py).
 
 The toy engine holds what fp8 engines hold: a fused, tensor-parallel `gate_up` weight in
 float8_e4m3fn with its block scales (split by rows as the weight), a row-split `down` weight (split by
 columns) with its scales, a bf16 router and norm it does not quantize, a bf16 vocabulary split by
 rows, and a kv-cache scale its loader never writes. Its loader ignores names it does not know.
 The oracle is the toy's own loader fed the fp8 checkpoint: the quantizer's tensors of the bf16 cast
-of each weight the toy holds in fp8 (tests/test_quantizers.py checks the quantizers).
+of each weight the toy holds in fp8 (tests/layouts/test_quantizers.py checks the quantizers).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The Megatron-Bridge source: without megatron-bridge it fails saying what to install (environment
 py). With it, Bridge's own mappings turn a Megatron model into the HF tensors bit for bit, and
-into torch engines (tests/conformance/test_bridge.py, environment bridge).
+into torch engines (tests/matrix/test_bridge.py, environment bridge).
 
 megatron-bridge 0.3.1 does not import on a CPU machine: `megatron.bridge` imports
 `transformer_engine.pytorch` (in `peft/lora_layers.py`), whose PyTorch extension

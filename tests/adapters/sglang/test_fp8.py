@@ -48,7 +48,7 @@ IDS = [f"{k}-tp{t}-ep{e}-{q}{'-' + str(b) if b else ''}" for k, t, e, q, b in CA
 def reference(quantizer: quantizers.Quantizer) -> Callable[[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The oracle's quantizer: sglang's own function where sglang has one (`per_block_cast_to_fp8`
     for block-ue8m0 at [128, 128], `input_to_float8` per tensor), so that those cases share no code
-    with p2psync; else p2psync's (block-linear's reference kernels need CUDA; tests/test_quantizers.py
+    with p2psync; else p2psync's (block-linear's reference kernels need CUDA; tests/layouts/test_quantizers.py
     checks it op by op)."""
     from sglang.srt.layers.quantization import fp8_utils
 

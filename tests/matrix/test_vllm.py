@@ -3,7 +3,7 @@ layouts against vLLM's own load over every byte, and FSDP2 or Megatron-Core (TP 
 engines of TP 2 driven through vLLM's weight-transfer flow with the `p2psync` backend, over
 every transport, against one vLLM engine world.
 
-Every model and TP size is covered bit for bit in tests/test_vllm_layouts.py; here a
+Every model and TP size is covered bit for bit in tests/adapters/vllm/test_layouts.py; here a
 dense and an MoE/MLA case stand for the adapter in the matrix, with both layouts.
 """
 

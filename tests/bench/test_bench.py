@@ -163,7 +163,7 @@ def test_benchmarks_readme_tables_are_generated_from_the_saved_results():
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, str(root / "benchmarks" / "tables.py"), "--check"], capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -1,0 +1,1 @@
+"""The conformance suite run against the built-in adapters, the engines and the integrations."""
