@@ -1,10 +1,15 @@
 """p2psync: move updated LLM weights from RL trainers into running inference engines, point to point.
 
-`import p2psync` stays light: frameworks are imported by their adapters only when used.
+The public surface, for users (a trainer's `Session`, its options and reports, the errors)
+and for plugin authors (the protocol classes a trainer source, an engine target or a
+transport implements, the types they exchange, and the `hookimpl` marker); the conformance
+suite they run is `p2psync.conformance`. `import p2psync` stays light: each name is
+imported on first use, and frameworks only by their adapters.
 """
 
 from __future__ import annotations
 
+import importlib
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
@@ -14,25 +19,70 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     __version__ = "0+unknown"
 
 if TYPE_CHECKING:
-    from .engine.endpoint import EngineEndpoint, EngineHooks
+    from .core.engine import EngineControl, EngineTarget
+    from .core.errors import (
+        ConcurrentCallError,
+        ConnectError,
+        ControlError,
+        OptionsError,
+        P2PSyncError,
+        PluginError,
+        RendezvousError,
+        TrainerLost,
+        TransferError,
+        TransferTimeout,
+        UpdateError,
+        VersionError,
+        where,
+    )
+    from .core.hookspecs import hookimpl
+    from .core.layout import CopyRun, Layout, ParamGroup
+    from .core.plugins import Registry, registry
     from .core.rendezvous import Rendezvous
-    from .core.report import UpdateReport
+    from .core.report import EngineReport, UpdateReport
+    from .core.source import LocalShard, TrainerSource
+    from .core.transport import Peer, Transport, WriteBatch
+    from .core.types import ParamSpec, Region, SenderGroup, TargetId, TargetParam, TargetTable
+    from .engine.endpoint import EndpointControl, EngineEndpoint, EngineHooks
+    from .trainer.options import DeltaOptions, SessionOptions
     from .trainer.session import Session
+    from .trainer.stats import SessionStats
 
+#: Where each public name lives (imported on first use).
 _EXPORTS = {
-    "Session": "p2psync.trainer.session",
-    "Rendezvous": "p2psync.core.rendezvous",
-    "UpdateReport": "p2psync.core.report",
-    "EngineEndpoint": "p2psync.engine.endpoint",
-    "EngineHooks": "p2psync.engine.endpoint",
+    **dict.fromkeys(["Session"], "p2psync.trainer.session"),
+    **dict.fromkeys(["SessionOptions", "DeltaOptions"], "p2psync.trainer.options"),
+    **dict.fromkeys(["SessionStats"], "p2psync.trainer.stats"),
+    **dict.fromkeys(["Rendezvous"], "p2psync.core.rendezvous"),
+    **dict.fromkeys(["UpdateReport", "EngineReport"], "p2psync.core.report"),
+    **dict.fromkeys(
+        [
+            "P2PSyncError", "PluginError", "OptionsError", "ConnectError", "RendezvousError", "TransferError",
+            "TransferTimeout", "ControlError", "UpdateError", "TrainerLost", "ConcurrentCallError", "VersionError",
+            "where",
+        ],
+        "p2psync.core.errors",
+    ),
+    **dict.fromkeys(["EngineTarget", "EngineControl"], "p2psync.core.engine"),
+    **dict.fromkeys(["TrainerSource", "LocalShard"], "p2psync.core.source"),
+    **dict.fromkeys(["Transport", "Peer", "WriteBatch"], "p2psync.core.transport"),
+    **dict.fromkeys(["Layout", "ParamGroup", "CopyRun"], "p2psync.core.layout"),
+    **dict.fromkeys(
+        ["ParamSpec", "Region", "SenderGroup", "TargetId", "TargetParam", "TargetTable"], "p2psync.core.types"
+    ),
+    **dict.fromkeys(["hookimpl"], "p2psync.core.hookspecs"),
+    **dict.fromkeys(["Registry", "registry"], "p2psync.core.plugins"),
+    **dict.fromkeys(["EngineEndpoint", "EngineHooks", "EndpointControl"], "p2psync.engine.endpoint"),
 }
 
-__all__ = [*_EXPORTS, "__version__"]
+__all__ = sorted([*_EXPORTS, "__version__"])
 
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
-        import importlib
-
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'p2psync' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__

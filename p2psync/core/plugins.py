@@ -10,16 +10,23 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import pluggy
 
 from . import hookspecs
+from .engine import EngineTarget
 from .errors import OptionsError, PluginError
+from .source import TrainerSource
+from .transport import Transport
 
 AUTOLOAD_ENV = "P2PSYNC_DISABLE_PLUGIN_AUTOLOAD"
-KINDS = ("trainer_sources", "engine_targets", "transports")
+#: Each kind of registered class, and the protocol class it must subclass.
+PROTOCOLS: dict[str, type] = {"trainer_sources": TrainerSource, "engine_targets": EngineTarget, "transports": Transport}
+KINDS = tuple(PROTOCOLS)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,14 @@ class Registry:
     entries: dict[str, dict[str, Registration]] = field(default_factory=lambda: {k: {} for k in KINDS})
 
     def add(self, kind: str, cls: type, package: str, version: str) -> None:
+        """Register `cls` as a class of `kind`: it must subclass that kind's protocol class
+        and have a `name` no other class of the kind has."""
+        protocol = PROTOCOLS[kind]
+        if not (isinstance(cls, type) and issubclass(cls, protocol)):
+            raise PluginError(
+                f"{kind[:-1].replace('_', ' ')} {getattr(cls, '__qualname__', cls)!r} from package {package!r} is not "
+                f"a subclass of {protocol.__module__}.{protocol.__qualname__}"
+            )
         name = getattr(cls, "name", None)
         if not isinstance(name, str) or not name:
             raise PluginError(f"{kind[:-1].replace('_', ' ')} {cls.__qualname__} from package {package!r} has no `name`")
@@ -61,23 +76,23 @@ class Registry:
             )
         self.entries[kind][name] = Registration(kind, name, cls, package, version)
 
-    def get(self, kind: str, name: str) -> type:
+    def get(self, kind: str, name: str, protocol: type[T]) -> type[T]:
         try:
-            return self.entries[kind][name].cls
+            return cast("type[T]", self.entries[kind][name].cls)
         except KeyError:
             known = ", ".join(sorted(self.entries[kind])) or "none"
             raise PluginError(f"no {kind[:-1].replace('_', ' ')} named {name!r} is installed (installed: {known})") from None
 
-    def trainer_source(self, name: str) -> type:
-        return self.get("trainer_sources", name)
+    def trainer_source(self, name: str) -> type[TrainerSource]:
+        return self.get("trainer_sources", name, TrainerSource)
 
-    def engine_target(self, name: str) -> type:
-        return self.get("engine_targets", name)
+    def engine_target(self, name: str) -> type[EngineTarget]:
+        return self.get("engine_targets", name, EngineTarget)
 
-    def transport(self, name: str) -> type:
-        return self.get("transports", name)
+    def transport(self, name: str) -> type[Transport]:
+        return self.get("transports", name, Transport)
 
-    def make_transport(self, transport: Any, options: Any = None) -> Any:
+    def make_transport(self, transport: Transport | str, options: Mapping[str, Any] | None = None) -> Transport:
         """`transport` itself if it is an instance, else the registered transport of that
         name built with `options` (parsed into its `Options`: a misspelt one fails here,
         before anything binds)."""

@@ -181,6 +181,22 @@ def test_nameless_error_names_the_kind(kind: str, base: type, label: str) -> Non
         plugins.registry()
 
 
+@pytest.mark.parametrize(
+    ("kind", "wrong", "protocol"),
+    [
+        ("transports", TrainerSource, "p2psync.core.transport.Transport"),
+        ("engine_targets", Transport, "p2psync.core.engine.EngineTarget"),
+        ("trainer_sources", EngineTarget, "p2psync.core.source.TrainerSource"),
+    ],
+)
+def test_a_class_that_is_not_its_kinds_protocol_is_refused_at_registration(kind: str, wrong: type, protocol: str) -> None:
+    impostor = type("Impostor", (wrong,), {"name": "impostor"})
+    plugins = Plugins.load(autoload=False)
+    plugins.register(plugin_registering(kind, impostor), name="x", package="x-pkg")
+    with pytest.raises(PluginError, match=f"'Impostor' from package 'x-pkg' is not a subclass of {protocol}"):
+        plugins.registry()
+
+
 def test_dependency_status() -> None:
     ok = Registration("transports", "a", type("A", (), {"requires": ("json", "ctypes")}), "pkg", "1")
     assert ok.dependency_status() == (True, "")

@@ -21,13 +21,24 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from p2psync.core.engine import EngineControl, EngineTarget
-from p2psync.core.errors import ConnectError, TransferError, where
-from p2psync.core.hookspecs import hookimpl
-from p2psync.core.layout import Layout, ParamGroup
-from p2psync.core.source import TrainerSource
-from p2psync.core.transport import Peer, Transport, WriteBatch
-from p2psync.core.types import ParamSpec, Region, SenderGroup, TargetTable
+from p2psync import (
+    ConnectError,
+    EngineControl,
+    EngineTarget,
+    Layout,
+    ParamGroup,
+    ParamSpec,
+    Peer,
+    Region,
+    SenderGroup,
+    TargetTable,
+    TrainerSource,
+    TransferError,
+    Transport,
+    WriteBatch,
+    hookimpl,
+    where,
+)
 
 # -- trainer source -------------------------------------------------------------------------
 

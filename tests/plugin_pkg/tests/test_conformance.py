@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from p2psync import Rendezvous, Session, TargetParam, TargetTable, registry
 from p2psync.conformance import (
     EngineCase,
     EngineTargetTests,
@@ -16,10 +17,6 @@ from p2psync.conformance import (
     TrainerSourceTests,
     TransportTests,
 )
-from p2psync.core.plugins import registry
-from p2psync.core.rendezvous import Rendezvous
-from p2psync.trainer.session import Session
-from p2psync.core.types import TargetParam, TargetTable
 
 PACKAGE = "p2psync-testplugin"
 

@@ -1,0 +1,52 @@
+"""The public surface: `p2psync` exports what users and plugin authors need, `import p2psync`
+stays light, and the shipped example plugin needs nothing else."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import p2psync
+import p2psync.conformance
+
+PLUGIN_PKG = Path(__file__).parent / "plugin_pkg"
+#: What a user and a plugin author must find at `p2psync.<name>`.
+NEEDED = {
+    "Session", "SessionOptions", "DeltaOptions", "Rendezvous", "UpdateReport", "EngineReport",
+    "P2PSyncError", "ConnectError", "UpdateError", "TrainerLost", "ControlError", "TransferError", "OptionsError",
+    "ConcurrentCallError", "VersionError", "TrainerSource", "EngineTarget", "EngineControl", "Transport", "Peer",
+    "WriteBatch", "Layout", "ParamGroup", "ParamSpec", "TargetTable", "TargetId", "Region", "hookimpl",
+}
+
+
+def test_every_exported_name_resolves_and_the_needed_ones_are_exported():
+    assert NEEDED <= set(p2psync.__all__)
+    for name in p2psync.__all__:
+        assert getattr(p2psync, name) is not None, name
+    for name in p2psync.conformance.__all__:
+        assert getattr(p2psync.conformance, name) is not None, name
+
+
+def test_importing_p2psync_imports_no_framework():
+    code = (
+        "import sys, p2psync; p2psync.Session; p2psync.Transport; p2psync.TrainerSource\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "{'torch', 'sglang', 'vllm', 'megatron', 'transformers', 'mooncake', 'nixl', 'verl'})\n"
+        "print(heavy)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_the_example_plugin_imports_only_the_public_surface():
+    for path in [PLUGIN_PKG / "p2psync_testplugin.py", *sorted((PLUGIN_PKG / "tests").glob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "p2psync":
+                assert node.module in ("p2psync", "p2psync.conformance"), f"{path.name} imports {node.module}"
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{path.name} imports private names {private}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    assert alias.name.split(".")[0] != "p2psync" or alias.name in ("p2psync", "p2psync.conformance")
