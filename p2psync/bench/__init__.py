@@ -6,6 +6,7 @@ text; `save` keeps it as a JSON file. Heavy imports happen inside the functions.
 
 from .report import format_report
 from .results import save
-from .runner import BenchOptions, run_bench
+from .options import BenchOptions
+from .runner import run_bench
 
 __all__ = ["BenchOptions", "format_report", "run_bench", "save"]

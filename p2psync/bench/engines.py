@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from ..worlds import WorldOptions
     from ..engine.endpoint import EngineEndpoint
     from ..core.rendezvous import Rendezvous
-    from .runner import BenchOptions
+    from .options import BenchOptions
 
 KINDS = ("torch", "sglang", "vllm")
 #: The dtype of the MoE engines' parameters (torch engines hold the trainer's float32).

@@ -13,13 +13,12 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..worlds import launch
 from ..core.types import ParamSpec, numel
-from ..demo import DemoOptions
 from . import broadcast, engines, limits, results, rss, verify
+from .options import BenchOptions
 from .report import summary
 from .ways import WAYS, BroadcastWay, P2PWay, Way, make_ways
 
@@ -27,25 +26,6 @@ if TYPE_CHECKING:
     from ..core.engine import EngineControl
     from ..core.report import UpdateReport
     from ..core.source import TrainerSource
-
-
-@dataclass
-class BenchOptions(DemoOptions):
-    """What one bench run does: the demo's model, trainers, engines and transport, the engine
-    kind (`engines.KINDS`) and its ranks per engine, the ways to compare (empty: all the
-    engines offer), untimed warm-up updates per way and the size of the raw measurements."""
-
-    engine: str = "torch"
-    engine_tp: int = 2
-    ways: tuple[str, ...] = ()
-    warmup: int = 1
-    raw_bytes: int = 512 << 20
-    check: bool = False
-    #: The torch engines' parameter dtype (e.g. "bfloat16"); None: the trainer's float32.
-    engine_dtype: str | None = None
-    #: `--delta`: the learning rates whose AdamW steps the delta bench takes (see `delta`).
-    delta_lrs: tuple[float, ...] = (1e-6, 1e-5)
-    job_id: str = field(default_factory=lambda: f"bench-{os.getpid()}-{int(time.time())}")
 
 
 #: Longest a member of the broadcast group waits for the next command (engines wait

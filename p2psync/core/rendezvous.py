@@ -170,6 +170,21 @@ class Rendezvous:
     def get(self, key: str, timeout: float | None = None) -> bytes:
         return self._get(key, None, self.timeout if timeout is None else timeout)
 
+    def add(self, key: str, amount: int = 1) -> int:
+        """Add `amount` to the job's counter `key` (0 while unset) and return the sum: one
+        atomic step of the store, so processes of the job number their turns without a lock."""
+        self._connect(key)
+        return self.store.add(key, amount)
+
+    def group_store(self, prefix: str) -> dist.Store:
+        """The job's keys under `prefix`, as a store of their own: where a torch.distributed
+        process group (`init_process_group(store=...)`) meets through this rendezvous, with no
+        second port and no key shared with the job's others (or another group's)."""
+        import torch.distributed as dist
+
+        self._connect(prefix)
+        return dist.PrefixStore(prefix, self.store)
+
     def _get(self, key: str, engine_id: str | None, timeout: float, deadline: float | None = None) -> bytes:
         """The value of `key` once it is set (and not withdrawn), polling until `deadline`
         (default: `timeout` from now; a wait for several keys shares one deadline)."""

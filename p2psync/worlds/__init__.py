@@ -17,8 +17,9 @@ that need them.
 from .engines import engine_ids, start_engine
 from .launch import Part, free_port, join_trainer_world, launch, launch_worlds
 from .models import PROMPT, TINY_QWEN3, ModelSpec, greedy
+from .options import RunResult, WorldOptions
 from .trainers import start_fsdp2
-from .world import RunResult, World, WorldOptions, run_world
+from .world import World, run_world
 
 __all__ = [
     "PROMPT",

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ..core.control import ControlServer
     from ..engine.endpoint import EngineEndpoint
     from ..core.rendezvous import Rendezvous
-    from .world import WorldOptions
+    from .options import WorldOptions
 
 Route = Callable[[dict[str, Any]], dict[str, Any]]
 

@@ -163,9 +163,8 @@ def join_trainer_world(rank: int, opts: Any, port: int, *, world_size: int | Non
     kwargs = {} if timeout is None else {"timeout": timeout}
     rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id=opts.job_id, **kwargs)
     size = opts.trainers if world_size is None else world_size
-    worlds = rendezvous._root.add(f"worlds/{opts.job_id}/{rank}", 1)  # this rank's n-th world
+    worlds = rendezvous.add(f"worlds/{rank}")  # this rank's n-th world
     dist.init_process_group(
-        placement.collective_backend, store=dist.PrefixStore(f"gloo/{opts.job_id}/{worlds}", rendezvous._root),
-        rank=rank, world_size=size,
+        placement.collective_backend, store=rendezvous.group_store(f"gloo/{worlds}"), rank=rank, world_size=size,
     )
     return rendezvous

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .engines import dump_path, engine_ids, harness_key
 from .launch import Part, join_trainer_world
 from .models import Trainer, greedy
+from .options import SESSION_WAYS, RunResult, split_kind
+from .options import trainer_kind as trainer_kind  # where the conformance suite imports it from
 
 if TYPE_CHECKING:
     import torch
@@ -24,24 +26,7 @@ if TYPE_CHECKING:
     from ..core.rendezvous import Rendezvous
     from ..core.report import UpdateReport
     from ..core.source import TrainerSource
-    from .world import WorldOptions
-
-#: The session options of a trainer kind's way of updating: a world's trainer kind is the
-#: source's, or "<source>/<way>" (e.g. "fsdp2/gather-free", "fsdp2/delta").
-SESSION_WAYS: dict[str, dict[str, Any]] = {"-": {}, "gather-free": {"gather": "auto"}, "delta": {"delta": True}}
-
-
-def trainer_kind(source: str, way: str) -> str:
-    """The world trainer kind that runs `source` with its session updating `way` (a key of SESSION_WAYS)."""
-    return source if way == "-" else f"{source}/{way}"
-
-
-def split_kind(kind: str) -> tuple[str, str]:
-    """A world's trainer kind as (the trainer source, its way of updating: a key of SESSION_WAYS)."""
-    source, _, way = kind.partition("/")
-    if (way or "-") not in SESSION_WAYS:
-        raise ValueError(f"trainer kind {kind!r}: no way {way!r}; the ways are {sorted(SESSION_WAYS)}")
-    return source, way or "-"
+    from .options import WorldOptions
 
 
 @dataclass
@@ -296,7 +281,6 @@ def trainer_main(rank: int, opts: WorldOptions, port: int, results: Any, kind: s
     import torch.distributed as dist
 
     from ..core.control import post
-    from .world import RunResult
 
     source_kind, way = split_kind(kind)
     trainer = TRAINERS[source_kind](rank, opts, port)

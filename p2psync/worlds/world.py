@@ -10,91 +10,21 @@ the engines and the trainer's independent oracle dump what they hold.
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .engines import dump_path, engine_ids, engine_main
 from .launch import launch_worlds
-from .models import ModelSpec
-from .trainers import split_kind, trainer_main
+from .options import RunResult, WorldOptions, split_kind
+from .trainers import trainer_main
 
 if TYPE_CHECKING:
     import torch
 
-    from ..core.report import UpdateReport
-
-#: Ranks of a trainer world where its kind fixes them (Megatron-Bridge: TP 2 x PP 2).
-TRAINER_RANKS = {"megatron-bridge": 4}
-
 Pairs = dict[str, tuple[dict[str, "torch.Tensor"], dict[str, "torch.Tensor"]]]
-
-
-@dataclass
-class WorldOptions:
-    """What one world runs. `engines` engines of `engine_tp` ranks each (torch: 1), every
-    `(trainer kind, transport)` of `runs` in order, each with `updates` training steps and
-    updates, on `trainers` ranks per trainer world."""
-
-    engine: str = "torch"
-    engines: int = 2
-    engine_tp: int = 1
-    engine_dtype: str = "float32"
-    runs: tuple[tuple[str, str], ...] = (("fsdp2", "mooncake"),)
-    trainers: int = 2
-    model: ModelSpec = field(default_factory=ModelSpec)
-    updates: int = 2
-    #: "cpu" or "cuda" (engines, trainer ranks and NCCL on GPUs, pinned buffers).
-    device: str = "cpu"
-    bucket_bytes: int = 64 << 10
-    transfer_timeout: float = 60.0
-    check: bool = True
-    #: After each update, every engine's greedy continuation next to the trainer's (torch engines).
-    generate: bool = False
-    progress: bool = False
-    #: Where each run's engine ranks and oracle save what they hold; None: nothing is saved.
-    dump_dir: str | None = None
-    #: How long trainers wait for the engine ranks to come up.
-    startup_timeout: float = 600.0
-    job_id: str = field(default_factory=lambda: f"world-{os.getpid()}-{int(time.time())}")
-
-    @property
-    def transports(self) -> list[str]:
-        """Every transport, in order of first use (the engines serve the first at start)."""
-        return list(dict.fromkeys(t for _, t in self.runs))
-
-    @property
-    def trainer_kinds(self) -> list[str]:
-        return list(dict.fromkeys(k for k, _ in self.runs))
-
-    def transports_of(self, kind: str) -> list[str]:
-        return [t for k, t in self.runs if k == kind]
-
-    def ranks_of(self, kind: str) -> int:
-        return TRAINER_RANKS.get(split_kind(kind)[0], self.trainers)
-
-
-@dataclass
-class RunResult:
-    """One run: its reports and generations per update, buckets per update, where it dumped,
-    why the trainer's model did not hold its oracle's weights in meaning, and why it failed or
-    was skipped ("" where it did not)."""
-
-    trainer: str
-    transport: str
-    reports: list[UpdateReport] = field(default_factory=list)
-    generations: list[dict[str, list[int]]] = field(default_factory=list)
-    buckets: int = 0
-    #: Bytes of one update trainer rank 0 sent without a gather (`Session.gather_free_bytes`).
-    gather_free_bytes: int = 0
-    folder: str = ""
-    meaning: str = ""
-    error: str = ""
-    skipped: str = ""
 
 
 def unavailable(kind: str, name: str) -> str:

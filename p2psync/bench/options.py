@@ -1,0 +1,29 @@
+"""What one bench run does: kept apart from the runner, so that the bench's engine ranks read
+it without importing the runner that imports them."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from ..demo import DemoOptions
+
+
+@dataclass
+class BenchOptions(DemoOptions):
+    """What one bench run does: the demo's model, trainers, engines and transport, the engine
+    kind (`engines.KINDS`) and its ranks per engine, the ways to compare (empty: all the
+    engines offer), untimed warm-up updates per way and the size of the raw measurements."""
+
+    engine: str = "torch"
+    engine_tp: int = 2
+    ways: tuple[str, ...] = ()
+    warmup: int = 1
+    raw_bytes: int = 512 << 20
+    check: bool = False
+    #: The torch engines' parameter dtype (e.g. "bfloat16"); None: the trainer's float32.
+    engine_dtype: str | None = None
+    #: `--delta`: the learning rates whose AdamW steps the delta bench takes (see `delta`).
+    delta_lrs: tuple[float, ...] = (1e-6, 1e-5)
+    job_id: str = field(default_factory=lambda: f"bench-{os.getpid()}-{int(time.time())}")
