@@ -10,13 +10,9 @@ imported on first use, and frameworks only by their adapters.
 from __future__ import annotations
 
 import importlib
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
-try:
-    __version__ = version("p2psync")
-except PackageNotFoundError:  # running from a source tree that was never installed
-    __version__ = "0+unknown"
+from .core.version import VERSION as __version__
 
 if TYPE_CHECKING:
     from .core.engine import EngineControl, EngineTarget

@@ -22,6 +22,7 @@ from ..core.errors import ConnectError, P2PSyncError, where
 from ..core.layout import Layout
 from ..core.plugins import Registry
 from ..core.types import ParamSpec, TargetTable
+from ..core.version import VERSION
 from .plan import unit_of
 
 
@@ -85,9 +86,7 @@ class LayoutCache:
 
     def key(self, table: TargetTable, specs: Mapping[str, ParamSpec]) -> tuple[Any, ...]:
         """Everything that decides the layout of `table`'s unit."""
-        from .. import __version__
-
         options = json.dumps(self.engine_options.get(table.engine, {}), sort_keys=True, default=repr)
         sources = tuple(sorted((s.name, tuple(s.shape), s.dtype) for s in specs.values()))
         target = type(self.target(table))
-        return unit_of(table.layout_key_text, table.rank), target, options, sources, __version__
+        return unit_of(table.layout_key_text, table.rank), target, options, sources, VERSION
