@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .trainer.options import SessionOptions
 from .worlds import ModelSpec, RunResult, WorldOptions, run_world
 
 #: Model sizes: a ~100M-parameter Qwen3-style model for the demo, a tiny one for tests.
@@ -40,9 +41,8 @@ class DemoOptions:
     transport: str = "mooncake"
     #: "cpu", "cuda" (engines and trainer ranks on GPUs, NCCL, pinned buffers) or "auto".
     device: str = "cpu"
-    bucket_bytes: int = 64 << 20
-    transfer_timeout: float = 60.0
-    check: bool = True
+    #: How the sessions move weights.
+    session: SessionOptions = field(default_factory=lambda: SessionOptions(bucket_bytes=64 << 20, check=True))
     progress: bool = True
     job_id: str = field(default_factory=lambda: f"demo-{os.getpid()}-{int(time.time())}")
 
@@ -52,7 +52,7 @@ def world_options(opts: DemoOptions) -> WorldOptions:
     return WorldOptions(
         engine="torch", engines=opts.engines, runs=(("fsdp2", opts.transport),), trainers=opts.trainers,
         model=ModelSpec("qwen3", CONFIGS[opts.size]), updates=opts.updates, device=opts.device,
-        bucket_bytes=opts.bucket_bytes, transfer_timeout=opts.transfer_timeout, check=opts.check, generate=True,
+        session=opts.session, generate=True,
         progress=opts.progress, job_id=opts.job_id,
     )
 

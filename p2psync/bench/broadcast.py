@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     import torch
 
     from ..core.rendezvous import Rendezvous
-    from ..core.source import TrainerSource
 
 ORDER_KEY = "bench/broadcast/order"
 STATS_KEY = "bench/broadcast/engine/{index}"

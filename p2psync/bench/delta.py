@@ -40,10 +40,7 @@ def _sessions(opts: BenchOptions, source: Any, rendezvous: Any) -> tuple[Session
     from ..trainer.session import Session
 
     def make(delta: bool) -> Session:
-        return Session(
-            source=source, transport=opts.transport, rendezvous=rendezvous, bucket_bytes=opts.bucket_bytes,
-            transfer_timeout=opts.transfer_timeout, delta=delta,
-        )
+        return Session(source=source, transport=opts.transport, rendezvous=rendezvous, options=opts.session, delta=delta)
 
     return make(True), make(False)
 
@@ -105,7 +102,7 @@ def delta_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
                 if i >= opts.warmup:
                     rounds[way.name].append(measured)
         per_lr[f"{lr:g}"] = rounds
-    mismatches = _verify(trainer, ways, rendezvous, ids, opts.transfer_timeout, rank == 0)
+    mismatches = _verify(trainer, ways, rendezvous, ids, opts.session.transfer_timeout, rank == 0)
     held = collectives.all_gather({"delta_bytes": delta.stats().delta_bytes, "buffer_bytes": full.stats().buffer_bytes})
     if leader is not None:
         leader.stop(GROUP_TIMEOUT)

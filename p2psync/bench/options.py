@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..demo import DemoOptions
+from ..trainer.options import SessionOptions
 
 
 @dataclass
@@ -21,7 +22,7 @@ class BenchOptions(DemoOptions):
     ways: tuple[str, ...] = ()
     warmup: int = 1
     raw_bytes: int = 512 << 20
-    check: bool = False
+    session: SessionOptions = field(default_factory=lambda: SessionOptions(bucket_bytes=64 << 20))
     #: The torch engines' parameter dtype (e.g. "bfloat16"); None: the trainer's float32.
     engine_dtype: str | None = None
     #: `--delta`: the learning rates whose AdamW steps the delta bench takes (see `delta`).

@@ -111,16 +111,12 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
     ids = engines.engine_ids(opts)
     for engine in ids:  # engine ranks build their models first: wait longer than connect does
         rendezvous.read_engine(engine, timeout=GROUP_TIMEOUT)
-    session = Session(
-        source=source, transport=opts.transport, rendezvous=rendezvous, bucket_bytes=opts.bucket_bytes,
-        transfer_timeout=opts.transfer_timeout, check=opts.check,
-    )
+    session = Session(source=source, transport=opts.transport, rendezvous=rendezvous, options=opts.session)
     session.connect(ids)
     gather_free = None
     if "gather-free" in ways_for(opts):
         gather_free = Session(
-            source=source, transport=session.transport, rendezvous=rendezvous, bucket_bytes=opts.bucket_bytes,
-            transfer_timeout=opts.transfer_timeout, check=opts.check, gather="auto",
+            source=source, transport=session.transport, rendezvous=rendezvous, options=opts.session, gather="auto"
         )
         gather_free.connect(ids)
     buckets = session.stats().buckets  # the broadcast gathers the same buckets: only the way of sending differs
@@ -157,7 +153,7 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
         control.close()
     measured.memory.update(
         transfer_buffers_bytes=session.stats().buffer_bytes, largest_group_bytes=session.stats().largest_group_bytes,
-        bucket_bytes=opts.bucket_bytes, broadcast_flat_bytes=leader.flat_buffer_bytes if leader else 0,
+        bucket_bytes=opts.session.bucket_bytes, broadcast_flat_bytes=leader.flat_buffer_bytes if leader else 0,
     )
     if gather_free is not None:
         measured.memory.update({
@@ -208,7 +204,7 @@ def _setup(opts: BenchOptions, specs: list[ParamSpec], transport: dict[str, Any]
         "transport": transport,
         "updates": opts.updates,
         "warmup": opts.warmup,
-        "bucket_bytes": opts.bucket_bytes,
+        "bucket_bytes": opts.session.bucket_bytes,
         "ways": [w.name for w in ways],
     }
 

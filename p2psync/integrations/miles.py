@@ -157,7 +157,7 @@ class P2PSyncUpdateWeight:
         from ..trainer import collectives
         from ..core.plugins import registry
         from ..core.rendezvous import Rendezvous
-        from ..trainer.options import DEFAULT_BUCKET_BYTES
+        from ..trainer.options import DEFAULT_BUCKET_BYTES, SessionOptions
         from ..trainer.session import Session
 
         address = setting(self.args, "rendezvous")
@@ -172,12 +172,12 @@ class P2PSyncUpdateWeight:
         )
         if self._source is None:
             self._source = self._build_source(registry().trainer_source(setting(self.args, "source")))
-        self._session = Session(
-            source=self._source,
-            transport=setting(self.args, "transport"),
-            rendezvous=rendezvous,
+        options = SessionOptions(  # miles' and slime's arguments, as p2psync's options
             bucket_bytes=int(getattr(self.args, "update_weight_buffer_size", None) or DEFAULT_BUCKET_BYTES),
             check=setting(self.args, "check"),
+        )
+        self._session = Session(
+            source=self._source, transport=setting(self.args, "transport"), rendezvous=rendezvous, options=options
         )
         return self._session
 

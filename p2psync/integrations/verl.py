@@ -139,17 +139,16 @@ class P2PSyncCheckpointEngine(CheckpointEngine):
         if self.role == "actor":
             self._engines = list(engines or [])
             if self._session is None:
+                from ..trainer.options import SessionOptions
                 from ..trainer.session import Session
 
                 self._source = IterableSource()
-                self._session = Session(
-                    source=self._source,
-                    transport=self.transport,
-                    rendezvous=self._rdzv,
-                    bucket_bytes=self.bucket_size,
-                    transfer_timeout=self.transfer_timeout,
-                    check=self.check,
+                options = SessionOptions(  # verl's checkpoint-engine settings, as p2psync's options
+                    bucket_bytes=self.bucket_size, transfer_timeout=self.transfer_timeout, check=self.check,
                     transport_options=self.transport_options,
+                )
+                self._session = Session(
+                    source=self._source, transport=self.transport, rendezvous=self._rdzv, options=options
                 )
         else:
             self.engine_id = engine_id or self._own_engine_id()

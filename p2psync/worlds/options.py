@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..trainer.options import SessionOptions
 from .models import ModelSpec
 
 if TYPE_CHECKING:
@@ -54,9 +55,8 @@ class WorldOptions:
     updates: int = 2
     #: "cpu" or "cuda" (engines, trainer ranks and NCCL on GPUs, pinned buffers).
     device: str = "cpu"
-    bucket_bytes: int = 64 << 10
-    transfer_timeout: float = 60.0
-    check: bool = True
+    #: How every run's session moves weights; each run's way (SESSION_WAYS) is set on top.
+    session: SessionOptions = field(default_factory=lambda: SessionOptions(bucket_bytes=64 << 10, check=True))
     #: After each update, every engine's greedy continuation next to the trainer's (torch engines).
     generate: bool = False
     progress: bool = False
@@ -77,6 +77,10 @@ class WorldOptions:
 
     def transports_of(self, kind: str) -> list[str]:
         return [t for k, t in self.runs if k == kind]
+
+    def session_for(self, way: str, **changes: Any) -> SessionOptions:
+        """The session options of a run updating `way` (a key of SESSION_WAYS)."""
+        return SessionOptions.of(self.session, **SESSION_WAYS[way], **changes)
 
     def ranks_of(self, kind: str) -> int:
         return TRAINER_RANKS.get(split_kind(kind)[0], self.trainers)

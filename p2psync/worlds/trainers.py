@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .engines import dump_path, engine_ids, harness_key
 from .launch import Part, join_trainer_world
 from .models import Trainer, greedy
-from .options import SESSION_WAYS, RunResult, split_kind
+from .options import RunResult, split_kind
 from .options import trainer_kind as trainer_kind  # where the conformance suite imports it from
 
 if TYPE_CHECKING:
@@ -166,8 +166,7 @@ class SessionConnection:
             _post_all(urls, "serve", {"transport": transport}, token)
         self.session = Session(
             source=trainer.source, transport=transport, rendezvous=trainer.rendezvous,
-            bucket_bytes=opts.bucket_bytes, transfer_timeout=opts.transfer_timeout, check=opts.check,
-            pin_memory=resolve(opts.device).pin_buffers, **SESSION_WAYS[way],
+            options=opts.session_for(way, pin_memory=resolve(opts.device).pin_buffers),
         )
         self.session.connect(engine_ids(opts))
         self.bucket_count = self.session.stats().bucket_count
@@ -235,8 +234,7 @@ class VllmConnection:
         init = P2PSyncTrainerInitInfo(
             rank=trainer.rank, engine_ids=list(urls), rendezvous_host="127.0.0.1",
             rendezvous_port=trainer.rendezvous.port, job_id=opts.job_id, transport=transport,
-            bucket_bytes=opts.bucket_bytes, transfer_timeout=opts.transfer_timeout, check=opts.check,
-            **SESSION_WAYS[way],
+            options=opts.session_for(way),
         )
         self.sync = WeightTransferTrainerFactory.trainer_init(init, client=clients, source=trainer.source)
         self.bucket_count = self.sync.session.stats().bucket_count

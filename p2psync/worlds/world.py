@@ -179,7 +179,7 @@ def check_reports(result: RunResult, opts: WorldOptions) -> None:
     assert len(result.reports) == opts.updates, result
     for report in result.reports:
         assert report.ok, report.format()
-        assert all(e.bytes > 0 and e.checked == opts.check for e in report.engines.values()), report.format()
+        assert all(e.bytes > 0 and e.checked == opts.session.check for e in report.engines.values()), report.format()
         assert set(report.engines) == set(engine_ids(opts)), report.format()
     assert not result.meaning, result.meaning
     for generations in result.generations:

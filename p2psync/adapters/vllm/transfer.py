@@ -35,7 +35,7 @@ from vllm.distributed.weight_transfer.base import (
 from ...engine.endpoint import EngineEndpoint
 from ...core.rendezvous import Rendezvous
 from ...core.report import UpdateReport
-from ...trainer.options import DEFAULT_BUCKET_BYTES
+from ...trainer.options import SessionOptions
 from ...trainer.session import Session
 from ...core.source import TrainerSource
 from . import shim
@@ -125,13 +125,8 @@ class P2PSyncTrainerInitInfo(TrainerInitInfo):
     token: str = ""
     #: Where each engine's workers listen for control calls.
     worker_host: str = "127.0.0.1"
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    transfer_timeout: float = 60.0
-    check: bool = False
-    #: `Session(gather=...)`: "auto" sends copies of the trainer's own shards without a gather.
-    gather: str = "always"
-    #: `Session(delta=...)`: after a full update, send each engine rank only what changed.
-    delta: bool = False
+    #: How the trainer's session moves weights (its token and transport options are the ones above).
+    options: SessionOptions = field(default_factory=SessionOptions)
 
 
 class EngineClients:
@@ -194,9 +189,8 @@ class P2PSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[P2PSyncTrai
             )
         rendezvous = Rendezvous(host=init_info.rendezvous_host, port=init_info.rendezvous_port, job_id=init_info.job_id)
         session = Session(
-            source=source, transport=init_info.transport, transport_options=init_info.transport_options,
-            rendezvous=rendezvous, bucket_bytes=init_info.bucket_bytes, transfer_timeout=init_info.transfer_timeout,
-            check=init_info.check, token=init_info.token, gather=init_info.gather, delta=init_info.delta,
+            source=source, transport=init_info.transport, rendezvous=rendezvous, options=init_info.options,
+            transport_options=init_info.transport_options, token=init_info.token,
         )
         session.connect(init_info.engine_ids)
         return cls(client=client, source=source, rank=init_info.rank, session=session)
