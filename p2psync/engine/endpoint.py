@@ -1,4 +1,4 @@
-"""The engine-side endpoint and its trainer-side control client.
+"""The engine-side endpoint (its trainer-side client is `client.EndpointControl`).
 
 An endpoint runs inside an engine worker (one per rank): it registers exactly
 the rank's parameter memory (and a patch area for delta updates) with the transport,
@@ -12,27 +12,25 @@ the lease of an update in progress, live in its `EngineState`.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import socket
 import threading
 import time
-import urllib.error
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypedDict
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
-from ..core.control import ControlServer, Refused, post
-from ..core.delta import PatchRecord
+from ..core.control import ControlServer, Refused
 from ..core.digest import byte_view, digest
-from ..core.engine import EngineControl
-from .state import EngineState
-from ..core.errors import ControlError, P2PSyncError, RendezvousError, first_line, where
+from ..core.errors import P2PSyncError, where
 from ..core.memory import device_of
+from ..core.types import TargetParam, TargetTable
+from .claim import claim
+from .client import EndpointControl
+from .hooks import EndpointOptions, EngineHooks
 from .patch import PatchArea, default_area_bytes
-from ..core.types import Region, TargetParam, TargetTable
+from .state import EngineState
 
 if TYPE_CHECKING:
     import torch
@@ -40,55 +38,10 @@ if TYPE_CHECKING:
     from ..core.rendezvous import Rendezvous
     from ..core.transport import Transport
 
+#: Where engine adapters, tools and users import them from.
+__all__ = ["EndpointControl", "EndpointOptions", "EngineEndpoint", "EngineHooks"]
+
 log = logging.getLogger(__name__)
-
-#: Seconds a starting endpoint waits for the holder of its engine id to answer.
-PROBE_TIMEOUT = 5.0
-
-
-def _nothing() -> None:
-    return None
-
-
-def _ignore(reason: str) -> None:
-    return None
-
-
-@dataclass
-class EngineHooks:
-    """What the engine does at each control call. Defaults do nothing.
-
-    `pause` takes the engine out of serving (at the start of an update, and at start-up
-    when the version of its weights is unknown), `resume` puts it back; they alternate.
-    `on_stale(reason)` is called when the engine marks itself stale (an update abandoned
-    by its trainer, a successor that replaced it), so that a framework can drain or
-    restart it; the engine stays out of serving meanwhile.
-    """
-
-    pause: Callable[[], None] = _nothing
-    post_process: Callable[[], None] = _nothing
-    flush_cache: Callable[[], None] = _nothing
-    resume: Callable[[], None] = _nothing
-    on_stale: Callable[[str], None] = _ignore
-    #: Extra routes, e.g. {"generate": fn(body) -> dict}, served beside the standard ones, and only
-    #: while the engine serves (else answered 503 with the reason).
-    routes: Mapping[str, Callable[[dict[str, Any]], dict[str, Any] | None]] = field(default_factory=dict)
-
-
-class EndpointOptions(TypedDict, total=False):
-    """What an engine adapter's `serve` passes on to `EngineEndpoint.serve` unchanged:
-    `hooks`, the control server's `host`, the job's `token` (default: the rendezvous's),
-    `transport_options`, the `version` the rank loaded, its `incarnation`, `extra` fields
-    for its table, and `patch_bytes` (see `EngineEndpoint`)."""
-
-    hooks: EngineHooks | None
-    host: str
-    token: str | None
-    transport_options: Mapping[str, Any] | None
-    version: str | None
-    incarnation: int | None
-    extra: Mapping[str, Any] | None
-    patch_bytes: int | None
 
 
 class EngineEndpoint:
@@ -203,7 +156,9 @@ class EngineEndpoint:
         routes.update({name: self._serving_only(handler) for name, handler in self.hooks.routes.items()})
         self._server = ControlServer(routes, host=self.host, token=self.token)
         try:
-            self.table = self._claim(self._table())
+            self.table = claim(
+                self.rendezvous, self._table(), incarnation=self.requested_incarnation, token=self.token
+            )
         except BaseException:
             self._server.close()
             self._server = None
@@ -239,68 +194,6 @@ class EngineEndpoint:
             instance=f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}",
             patch_area=(self.patches.tensor.data_ptr(), self.patches.nbytes) if self.patches else None,
         )
-
-    # -- one engine id, one engine -----------------------------------------------------
-
-    def _claim(self, table: TargetTable) -> TargetTable:
-        """Publish `table`, replacing a predecessor only openly: a dead one as the next
-        incarnation, a live one only for a higher requested incarnation (which retires it)."""
-        holder: TargetTable | None = None
-        for _ in range(8):  # another claimant may win each round; it then holds the place
-            held = self.rendezvous.publish(table, replacing=holder)
-            if held is None:
-                if holder is not None:
-                    self._replaced(holder, table)
-                return table
-            holder = held
-            table = dataclasses.replace(table, incarnation=self._next_incarnation(held))
-        raise RendezvousError(f"{self.where}: its rendezvous place kept changing hands; start it again")
-
-    def _next_incarnation(self, held: TargetTable) -> int:
-        asked = self.requested_incarnation
-        described = f"incarnation {held.incarnation} at {held.control_url} ({held.instance})"
-        if asked is not None:
-            if asked > held.incarnation:
-                return asked
-            raise RendezvousError(
-                f"{self.where} is served by {described}; incarnation={asked} does not replace it: give a higher one"
-            )
-        answer = self._probe(held)
-        if answer is not None:
-            raise RendezvousError(
-                f"{self.where} is already served by {described}; {answer}: stop it, use another engine id, "
-                f"or start this one with incarnation={held.incarnation + 1} to replace it"
-            )
-        log.warning("%s: replacing %s, which no longer answers", self.where, described)
-        return held.incarnation + 1
-
-    def _probe(self, held: TargetTable) -> str | None:
-        """Why `held`'s publisher counts as alive, or None if it is gone."""
-        try:
-            answer = post(held.control_url, "info", token=self.token, timeout=PROBE_TIMEOUT)
-        except ControlError as exc:
-            if isinstance(exc.__cause__, urllib.error.URLError) and isinstance(
-                exc.__cause__.reason, ConnectionRefusedError
-            ):
-                return None
-            return f"its control endpoint did not refuse a connection ({first_line(exc)})"
-        if answer.get("instance") != held.instance:
-            return None  # another process took its port
-        return "it still answers"
-
-    def _replaced(self, holder: TargetTable, table: TargetTable) -> None:
-        """Tell a replaced predecessor, should it still run, to stop serving for good."""
-        log.warning(
-            "%s: incarnation %d replaces incarnation %d (%s)", self.where, table.incarnation, holder.incarnation,
-            holder.instance,
-        )
-        try:
-            post(
-                holder.control_url, "retire", {"incarnation": table.incarnation}, token=self.token,
-                timeout=PROBE_TIMEOUT,
-            )
-        except ControlError as exc:  # a dead predecessor retires by itself
-            log.info("%s: predecessor not told to retire: %s", self.where, exc)
 
     # -- life -----------------------------------------------------------------------------
 
@@ -413,47 +306,3 @@ class EngineEndpoint:
         return guarded
 
 
-class EndpointControl(EngineControl):
-    """Trainer-side client of the endpoints of one engine's ranks."""
-
-    def __init__(self, tables: Sequence[TargetTable], *, timeout: float, token: str = "") -> None:
-        self.tables = sorted(tables, key=lambda t: t.rank)
-        self.timeout = timeout
-        self.token = token
-
-    def _call(self, table: TargetTable, route: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        try:
-            return post(table.control_url, route, body, token=self.token, timeout=self.timeout)
-        except ControlError as exc:
-            raise ControlError(f"{where(table.engine_id, table.rank)}: {exc}") from exc
-
-    def check_access(self) -> None:
-        for table in self.tables:
-            answer = self._call(table, "info")
-            if answer.get("instance") != table.instance:
-                raise ControlError(
-                    f"{where(table.engine_id, table.rank)}: {table.control_url} answers as {answer.get('instance')!r}, "
-                    f"not as {table.instance!r}, which published the table"
-                )
-
-    def pause(self, version: str, lease: float) -> None:
-        for table in self.tables:
-            self._call(table, "pause", {"version": version, "lease": lease})
-
-    def renew(self, version: str) -> None:
-        for table in self.tables:
-            self._call(table, "renew", {"version": version})
-
-    def finish(self, version: str) -> None:
-        for table in self.tables:
-            self._call(table, "finish", {"version": version})
-
-    def digests(self, rank: int, regions: Mapping[str, Sequence[Region]]) -> dict[str, str]:
-        spans = {name: [[r.param_offset, r.nbytes] for r in rs] for name, rs in regions.items()}
-        return self._call(self.tables[rank], "digest", {"regions": spans})["digests"]
-
-    def apply_patch(self, rank: int, version: str, records: Sequence[PatchRecord]) -> None:
-        self._call(self.tables[rank], "patch", {"version": version, "records": [r.to_wire() for r in records]})
-
-    def info(self, rank: int) -> dict[str, Any]:
-        return self._call(self.tables[rank], "info")

@@ -37,118 +37,23 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ...core.errors import TransferError, TransferTimeout
 from ...core.transport import Peer, Transport, WriteBatch
 from ...core.types import TargetTable
+from .agent import MEMORY_TYPES, NIXL_MODULE, PY_LEVELS, load_nixl, memory_of, region_of, ucx_environment
+from .options import NixlOptions
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
 
-#: The Python module of the pinned wheel (`nixl-cu12`); the `nixl` meta package
-#: only re-exports it.
-NIXL_MODULE = "nixl_cu12"
-
-MEMORY_TYPES = ("DRAM", "VRAM")
-
 #: The notification a trainer sends as it writes, and how often at most (seconds).
 KICK = b"p2psync:writing"
 KICK_EVERY = 0.25
-
-_PY_LEVELS = {
-    "TRACE": logging.DEBUG,
-    "DEBUG": logging.DEBUG,
-    "INFO": logging.INFO,
-    "WARN": logging.WARNING,
-    "WARNING": logging.WARNING,
-    "ERROR": logging.ERROR,
-    "FATAL": logging.CRITICAL,
-}
-
-
-def _nixl() -> Any:
-    import importlib
-
-    return importlib.import_module(NIXL_MODULE)
-
-
-@contextmanager
-def _environment(overrides: Mapping[str, str]) -> Iterator[None]:
-    """Set UCX variables only while the agent and its backend are created: UCX reads
-    them then (its global options when libucs loads, the rest at context creation),
-    and the rest of the process keeps its own environment."""
-    saved = {key: os.environ.get(key) for key in overrides}
-    os.environ.update(overrides)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def _memory_of(tensor: torch.Tensor) -> tuple[str, int]:
-    """NIXL memory type and device id of a tensor's storage."""
-    if tensor.device.type == "cpu":
-        return "DRAM", 0
-    if tensor.device.type == "cuda":
-        index = tensor.device.index
-        if index is None:
-            import torch
-
-            index = torch.cuda.current_device()
-        return "VRAM", int(index)
-    raise TransferError(f"NIXL cannot register memory of a tensor on device {tensor.device}")
-
-
-def _region(tensor: torch.Tensor) -> tuple[int, int]:
-    if not tensor.is_contiguous():
-        raise TransferError("NIXL registers contiguous tensors only")
-    return tensor.data_ptr(), tensor.numel() * tensor.element_size()
-
-
-@dataclass(frozen=True)
-class NixlOptions:
-    """Options of the NIXL transport.
-
-    - `backend`: NIXL backend, default "UCX".
-    - `backend_params`: passed to `create_backend` (values as strings), e.g.
-      `{"ucx_error_handling_mode": "none"}`; see `nixl_agent.get_plugin_params`.
-    - `ucx_net_devices`: UCX network devices, e.g. "lo" or "mlx5_0:1" (the UCX
-      backend's `ucx_devices` parameter); default: all.
-    - `ucx_tls`: UCX transports (UCX_TLS) for this agent; default: UCX's choice
-      ($UCX_TLS when set). With "shm,self" or "cma,self" UCX has no transport able
-      to report peer failures: add `backend_params={"ucx_error_handling_mode": "none"}`.
-    - `ucx_modules`: UCX_MODULES for this agent, default "^efa" (see the module
-      docstring) unless $UCX_MODULES is set; "" leaves UCX alone.
-    - `memory`: "auto" (default: DRAM for host tensors, VRAM for CUDA tensors),
-      or "DRAM"/"VRAM" to insist (a tensor elsewhere is an error).
-    - `progress_interval`, `busy_progress_interval`, `busy_window`: seconds between
-      the engine side's progress calls while idle (default 0.005) and while trainers
-      write (default 0.0001), and how long after a trainer's notification writes
-      count as under way (default 1.0); see `NixlTransport._progress_loop`.
-    - `log_level`: NIXL's own log level (NIXL_LOG_LEVEL), default "WARN": at INFO it
-      logs every agent and backend it creates; $NIXL_LOG_LEVEL wins when set.
-    """
-
-    backend: str = "UCX"
-    backend_params: dict = field(default_factory=dict)
-    ucx_net_devices: str | None = None
-    ucx_tls: str | None = None
-    ucx_modules: str | None = None
-    memory: Literal["auto", "DRAM", "VRAM"] = "auto"
-    progress_interval: float = 5e-3
-    busy_progress_interval: float = 1e-4
-    busy_window: float = 1.0
-    log_level: str = "WARN"
 
 
 class NixlTransport(Transport):
@@ -202,8 +107,8 @@ class NixlTransport(Transport):
             if "NIXL_LOG_LEVEL" not in os.environ:
                 os.environ["NIXL_LOG_LEVEL"] = self.log_level  # read by NIXL's C++ side when it loads
                 # and by its Python logger at import, which may have happened already
-                logging.getLogger("nixl").setLevel(_PY_LEVELS.get(self.log_level.upper(), logging.WARNING))
-            nixl = _nixl()
+                logging.getLogger("nixl").setLevel(PY_LEVELS.get(self.log_level.upper(), logging.WARNING))
+            nixl = load_nixl()
             config = nixl.nixl_agent_config(
                 # The agent's own progress thread polls UCX with no pause at all (the
                 # Python API gives it a delay of 0): on small machines it eats a core
@@ -216,7 +121,7 @@ class NixlTransport(Transport):
                 # progresses from its own thread: NIXL must lock (NONE locks nothing).
                 sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
             )
-            with _environment(self.environment):
+            with ucx_environment(self.environment):
                 agent = nixl.nixl_agent(self._agent_name, config)
                 if self.backend not in agent.get_plugin_list():
                     raise TransferError(
@@ -234,13 +139,13 @@ class NixlTransport(Transport):
 
     def _register(self, tensors: Sequence[torch.Tensor]) -> tuple[str, int]:
         """Register tensors that share one memory type and device; return those."""
-        kinds = {_memory_of(t) for t in tensors}
+        kinds = {memory_of(t) for t in tensors}
         if len(kinds) > 1:
             raise TransferError(f"NIXL transport: tensors on several devices at once: {sorted(kinds)}")
         kind = kinds.pop()
         if self.memory != "AUTO" and kind[0] != self.memory:
             raise TransferError(f"NIXL transport option memory={self.memory!r}, but a tensor is in {kind[0]}")
-        regions = [_region(t) for t in tensors]
+        regions = [region_of(t) for t in tensors]
         agent = self.agent
         for addr, nbytes in regions:
             try:
@@ -329,7 +234,7 @@ class NixlTransport(Transport):
     # -- trainer side ------------------------------------------------------
 
     def register_buffer(self, buffer: torch.Tensor) -> None:
-        kind = _memory_of(buffer)
+        kind = memory_of(buffer)
         with self._lock:
             if self._local is not None and self._local != kind:
                 raise TransferError(
