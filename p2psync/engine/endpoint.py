@@ -223,9 +223,10 @@ class EngineEndpoint:
             with self._lock:
                 while not self._closing and self.state.lease_until is None:
                     self._changed.wait()
-                if self._closing:
+                until = self.state.lease_until
+                if self._closing or until is None:
                     return
-                self._changed.wait(max(0.0, self.state.lease_until - time.monotonic()))
+                self._changed.wait(max(0.0, until - time.monotonic()))
                 reason = self.state.expire(time.monotonic())
             if reason:
                 log.error("%s: %s; not serving until an update finishes", self.where, reason)

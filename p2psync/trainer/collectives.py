@@ -6,7 +6,7 @@ collective is the identity.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 T = TypeVar("T")
 
@@ -37,11 +37,11 @@ def all_gather(obj: T) -> list[T]:
     return out
 
 
-def broadcast(obj: T, src: int = 0) -> T:
-    """Rank `src`'s `obj` on every rank."""
+def broadcast(obj: T | None, src: int = 0) -> T:
+    """Rank `src`'s `obj` on every rank (the others pass None)."""
     dist = _dist()
     if dist is None:
-        return obj
+        return cast(T, obj)
     box = [obj]
     dist.broadcast_object_list(box, src=src)
-    return box[0]
+    return cast(T, box[0])

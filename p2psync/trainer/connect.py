@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from ..core.engine import EngineControl
 from ..core.errors import ConnectError, P2PSyncError, where
+from ..core.layout import Layout
 from ..core.plugins import Registry
 from ..core.rendezvous import Rendezvous
 from ..core.source import TrainerSource
@@ -72,7 +73,7 @@ class Connector:
         reusing what `current` (the session's connection) has. `held`: every world rank's
         `local_ranges`."""
         specs, mine = self._all_specs()
-        layouts = {}
+        layouts: dict[str, Layout] = {}
         for table in (t for engine_tables in conn.tables.values() for t in engine_tables):
             self._check_table(table)
             layouts.setdefault(unit_of(table.layout_key_text, table.rank), self.layouts.layout(table, specs))

@@ -277,8 +277,8 @@ class DeltaSender:
                 "have no delta baseline)"
             )
         for target in self._tables:
-            engine = report.engines.get(target.engine_id)
-            if engine is not None and engine.ok:
+            outcome = report.engines.get(target.engine_id)
+            if outcome is not None and outcome.ok:
                 self._held[target] = self._updates
             else:
                 self._held.pop(target, None)
@@ -296,5 +296,6 @@ def _reseed(old: torch.Tensor, new: torch.Tensor, elem: int, change: Change) -> 
     if change.kind == "dense":
         old.copy_(new)
         return
+    assert change.values is not None, "a sparse change has values"
     held = elements(old, elem).numpy()
     held[change.where] = elements(change.values, elem).numpy()

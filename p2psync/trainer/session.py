@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from ..core.errors import ConnectError, P2PSyncError, TrainerLost, UpdateError, first_line
 from ..core.plugins import Registry, registry as default_registry
@@ -130,7 +130,8 @@ class Session:
         named_twice = sorted({e for e in engines if list(engines).count(e) > 1})
         if named_twice:
             raise ConnectError(f"engine {named_twice[0]!r} is named twice in connect({list(engines)!r})")
-        tables = collectives.broadcast(self._connector.read_tables(engines) if self.rank == 0 else None)
+        read = self._connector.read_tables(engines) if self.rank == 0 else None  # the tables, or why not
+        tables = cast("dict[str, list[TargetTable]] | str", collectives.broadcast(read))
         if isinstance(tables, str):
             raise ConnectError(tables)
         candidate = Connection(tables)
