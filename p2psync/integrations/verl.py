@@ -135,7 +135,7 @@ class P2PSyncCheckpointEngine(CheckpointEngine):
         )
 
     def init_process_group(self, engines: list[str] | None = None, engine_id: str | None = None, **_: Any) -> None:
-        self._rendezvous()
+        rendezvous = self._rendezvous()
         if self.role == "actor":
             self._engines = list(engines or [])
             if self._session is None:
@@ -145,7 +145,7 @@ class P2PSyncCheckpointEngine(CheckpointEngine):
                 self._session = Session(
                     source=self._source,
                     transport=self.transport,
-                    rendezvous=self._rdzv,
+                    rendezvous=rendezvous,
                     bucket_bytes=self.bucket_size,
                     transfer_timeout=self.transfer_timeout,
                     check=self.check,
@@ -176,7 +176,7 @@ class P2PSyncCheckpointEngine(CheckpointEngine):
             source.drain()
         if self.is_master:
             for name, engine in report.engines.items():
-                self._rdzv.set(_done_key(name, version), json.dumps({"ok": engine.ok, "error": engine.error}))
+                self._rendezvous().set(_done_key(name, version), json.dumps({"ok": engine.ok, "error": engine.error}))
         if not report.ok:
             raise RuntimeError(f"p2psync update {version} left engines stale: {report.format()}")
         nbytes = sum(e.bytes for e in report.engines.values())
