@@ -85,7 +85,7 @@ def shard(model: torch.nn.Module) -> None:
     """FSDP2: one unit per decoder layer, then the root (embeddings, norm, head)."""
     from torch.distributed.fsdp import fully_shard
 
-    for layer in model.layers:
+    for layer in model.get_submodule("layers").children():
         fully_shard(layer)
     fully_shard(model)
 

@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ..worlds import launch
@@ -136,11 +137,9 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
     measured = Rounds(ways, list(plans))
     for i in range(rounds):
         steps: list[tuple[str, Callable[[], float], Way | None]] = [
-            (w.name, lambda w=w: w.update(progress), w) for w in ways
+            (w.name, partial(w.update, progress), w) for w in ways
         ]
-        steps += [
-            (name, lambda plan=plan: _gathers_alone(source, *plan, progress), None) for name, plan in plans.items()
-        ]
+        steps += [(name, partial(_gathers_alone, source, *plan, progress), None) for name, plan in plans.items()]
         for name, run, way in steps:
             bar.set_description(name)
             before = rss.reset_peak()

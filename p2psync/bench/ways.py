@@ -89,10 +89,13 @@ class P2PWay(Way):
         self.write_intervals: list[list[tuple[float, float]]] = []
 
     def update(self, progress: Progress, *, check: bool = False) -> float:
+        def step(done: int, total: int) -> None:
+            progress()
+
         _barrier()
         checking, self.session.check = self.session.check, check or self.session.check
         try:
-            report = self.session.update(f"{self.name}-{len(self.reports)}", progress=lambda done, total: progress())
+            report = self.session.update(f"{self.name}-{len(self.reports)}", progress=step)
         finally:
             self.session.check = checking
         if not report.ok:
@@ -186,15 +189,16 @@ def make_ways(
     `gather_free`: the connected `Session(gather="auto")` of the gather-free way."""
     available: dict[str, Callable[[], Way]] = {
         "p2p": lambda: P2PWay(session),
-        "gather-free": lambda: P2PWay(
-            gather_free, "gather-free", "p2psync, gather-free: each trainer rank writes its own shards' part"
-        ),
         "broadcast": lambda: BroadcastWay(
             "broadcast", "broadcast, gathers in the engines' dtype (cast before the all-gather), overlapped with the "
             "broadcasts", source,
             buckets, leader, engine_dtype, controls, session.update_lease, reference=engine_dtype is None,
         ),
     }
+    if gather_free is not None:
+        available["gather-free"] = lambda: P2PWay(
+            gather_free, "gather-free", "p2psync, gather-free: each trainer rank writes its own shards' part"
+        )
     if engine_dtype is not None:
         available["broadcast-fp32"] = lambda: BroadcastWay(
             "broadcast-fp32", "broadcast, gathers in the trainer's dtype then cast (verl's FSDP path)", source,

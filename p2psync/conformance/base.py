@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +62,7 @@ class TransportTests:
         return request.param
 
     @pytest.fixture
-    def pair(self, make_transport: Callable[[], Transport], device: str):
+    def pair(self, make_transport: Callable[[], Transport], device: str) -> Iterator[tuple[Transport, Transport]]:
         from ..core.rendezvous import Rendezvous
 
         require_device(device, make_transport())
@@ -221,7 +221,9 @@ class EngineTargetTests:
             for r in layout.fill_constants(group, out):
                 put(r.param, r.param_offset, out[r.buffer_offset : r.buffer_offset + r.nbytes])
             for rank in range(world):
-                for run in layout.copy_runs(group, row_shards(engine_case.sources, world, rank)):
+                runs = layout.copy_runs(group, row_shards(engine_case.sources, world, rank))
+                assert runs is not None, "a layout of copies must say every rank's copies"
+                for run in runs:
                     dtype = getattr(torch, params[run.param].dtype)
                     src = engine_case.sources[run.source].reshape(-1)[run.source_offset : run.source_offset + run.numel]
                     size = dtype.itemsize

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -113,11 +114,12 @@ class Recorder:
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
         chosen = picks(config)
         wanted_keys = self.expected
-        keep, drop = [], []
+        keep: list[pytest.Item] = []
+        drop: list[pytest.Item] = []
         for item in items:
             combo = combination(item)
             wanted = combo is None or all(
-                chosen[k] is None or combo.get(k) is None or combo[k] in chosen[k] for k in KINDS
+                allowed is None or combo.get(k) is None or combo[k] in allowed for k, allowed in chosen.items()
             )
             if combo is not None and wanted_keys is not None:
                 wanted = wanted and key_of(combo) in wanted_keys
@@ -135,7 +137,7 @@ class Recorder:
             self.collect_skips.append(f"{report.nodeid} failed to import: {last[0].removeprefix('E   ').strip()}")
 
     @pytest.hookimpl(hookwrapper=True)
-    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[Any]):
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[Any]) -> Generator[None, Any, None]:
         outcome = yield
         report = outcome.get_result()
         combo = combination(item)

@@ -22,6 +22,7 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 #: The columns of a combination, in order; "-" where a test does not exercise that part.
 KINDS = ("trainer", "engine", "transport", "device", "via")
@@ -84,7 +85,7 @@ class Matrix:
         return not self.problems
 
 
-def build(results: Mapping[str, Mapping[str, object]], expectations: Mapping[str, Sequence[Key]]) -> Matrix:
+def build(results: Mapping[str, Mapping[str, Any]], expectations: Mapping[str, Sequence[Key]]) -> Matrix:
     """The matrix of `results` (environment -> its results file's content) against
     `expectations` (environment -> expected keys)."""
     rows: dict[Key, tuple[str, Outcome]] = {}

@@ -94,7 +94,8 @@ def post(url: str, route: str, body: Mapping[str, Any] | None = None, *, token: 
     )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read() or b"{}")
+            answer: dict[str, Any] = json.loads(response.read() or b"{}")
+            return answer
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")
         raise ControlError(f"{route} at {url} answered {exc.code}: {detail}") from exc

@@ -213,4 +213,5 @@ def unpack_bits(bits: torch.Tensor, count: int) -> torch.Tensor:
 
 def popcount(bits: torch.Tensor) -> torch.Tensor:
     """Set bits in `bits` (uint8), as a 0-d int64 tensor on its device (no host sync)."""
-    return sum(((bits >> i) & 1).sum() for i in range(8))
+    counts = [((bits >> i) & 1).sum() for i in range(8)]
+    return sum(counts[1:], counts[0])

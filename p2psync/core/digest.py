@@ -17,7 +17,7 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().reshape(-1)
     if flat.device.type != "cpu":
         flat = flat.cpu()
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8).numpy().data
 
 
 def digest(data: memoryview, spans: Iterable[tuple[int, int]]) -> str:

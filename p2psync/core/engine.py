@@ -64,7 +64,7 @@ class EngineTarget(ABC):
     Options: ClassVar[type] = NoOptions
 
     def __init__(self, **options: Any) -> None:
-        self.options = parse(self.Options, options, what=f"engine target {self.name!r}")
+        self.options: Any = parse(self.Options, options, what=f"engine target {self.name!r}")
 
     @abstractmethod
     def layout(self, table: TargetTable, sources: Mapping[str, ParamSpec]) -> Layout:

@@ -50,7 +50,7 @@ def describe(cls: type) -> str:
     out = []
     for f in dataclasses.fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else "required"  # type: ignore[misc]
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else "required"
         )
         out.append(f"{f.name}: {_type_text(hints[f.name])} = {default!r}")
     return ", ".join(out) or "none"

@@ -67,7 +67,7 @@ class Rendezvous:
             )
         self._store = store
         self._prefixed: dist.Store | None = None
-        self.port = store.port if hasattr(store, "port") else port
+        self.port: int = store.port if store is not None and hasattr(store, "port") else port
         if is_server:
             self.store.set("token", token or secrets.token_hex(16))
 
@@ -165,7 +165,7 @@ class Rendezvous:
 
     def set(self, key: str, value: str | bytes) -> None:
         self._connect(key)
-        self.store.set(key, value)
+        self.store.set(key, value)  # type: ignore[arg-type]  # torch's stub says str; Store.set takes bytes too
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
         return self._get(key, None, self.timeout if timeout is None else timeout)

@@ -184,12 +184,14 @@ class P2PSyncUpdateWeight:
     def _build_source(self, cls: type[TrainerSource]) -> TrainerSource:
         """`cls` over the actor's model: Megatron takes the chunk list, the HF names of `model_name`
         and the unpadded vocabulary (`args.vocab_size`, set by the actor from the HF config)."""
+        build: Callable[..., TrainerSource] = cls  # each kind of source has its own constructor
         if cls.name == "megatron":  # MegatronSource(model, architecture, *, vocab_size)
-            return cls(self.model, megatron_architecture(self.model_name), vocab_size=getattr(self.args, "vocab_size", None))
+            vocab_size = getattr(self.args, "vocab_size", None)
+            return build(self.model, megatron_architecture(self.model_name), vocab_size=vocab_size)
         model = self.model
         if isinstance(model, Sequence):
             (model,) = model  # single-module sources take the one model chunk
-        return cls(model)
+        return build(model)
 
     def close(self) -> None:
         if self._session is not None:

@@ -135,7 +135,7 @@ class P2PSyncCheckpointEngine(CheckpointEngine):
         )
 
     def init_process_group(self, engines: list[str] | None = None, engine_id: str | None = None, **_: Any) -> None:
-        self._rendezvous()
+        rendezvous = self._rendezvous()
         if self.role == "actor":
             self._engines = list(engines or [])
             if self._session is None:
@@ -148,7 +148,7 @@ class P2PSyncCheckpointEngine(CheckpointEngine):
                     transport_options=self.transport_options,
                 )
                 self._session = Session(
-                    source=self._source, transport=self.transport, rendezvous=self._rdzv, options=options
+                    source=self._source, transport=self.transport, rendezvous=rendezvous, options=options
                 )
         else:
             self.engine_id = engine_id or self._own_engine_id()
@@ -175,7 +175,7 @@ class P2PSyncCheckpointEngine(CheckpointEngine):
             source.drain()
         if self.is_master:
             for name, engine in report.engines.items():
-                self._rdzv.set(_done_key(name, version), json.dumps({"ok": engine.ok, "error": engine.error}))
+                self._rendezvous().set(_done_key(name, version), json.dumps({"ok": engine.ok, "error": engine.error}))
         if not report.ok:
             raise RuntimeError(f"p2psync update {version} left engines stale: {report.format()}")
         nbytes = sum(e.bytes for e in report.engines.values())

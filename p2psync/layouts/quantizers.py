@@ -176,7 +176,7 @@ class Quantizer:
             raise QuantizerError(
                 f"quantizer {self.name!r}: {hf_name!r} has shape {tuple(tensor.shape)}; fp8 weights are matrices"
             )
-        block = self.block or tuple(tensor.shape[-2:])
+        block = self.block or (tensor.shape[-2], tensor.shape[-1])
         try:
             weight, scale = quantize_blocks(tensor, block, RULES[self.name])
         except QuantizerError as exc:

@@ -81,7 +81,7 @@ def delta_way(p: Prediction, p2p: dict[str, float], costs: DeltaCosts, produce_g
     """The p2psync way of `whole_update` (`p2p`: its parts, in seconds) in delta mode."""
     elem = ELEMENT_BYTES[p.cluster.engine_dtype]
     fraction, kind = wire_fraction(costs.changed_fraction, elem)
-    way = dict(p2p)
+    way: dict[str, Any] = dict(p2p)
     way["wire_s"] = p2p["wire_s"] * fraction
     way["compare_s"] = 3 * compared_bytes(p) / (costs.compare_gbytes * 1e9)
     way["apply_s"] = max(p.receiver_bytes.values()) * fraction / (produce_gbytes * 1e9)

@@ -82,10 +82,18 @@ class EngineRank:
         torch.save({"params": held, "calls": self.calls}, path)
 
     def routes(self) -> dict[str, Route]:
+        def reset(body: dict[str, Any]) -> dict[str, Any]:
+            self.reset()
+            return {}
+
+        def dump(body: dict[str, Any]) -> dict[str, Any]:
+            self.dump(body["path"])
+            return {}
+
         return {
             "serve": lambda body: {"transport": self.serve(body["transport"]).transport.name},
-            "reset": lambda body: self.reset() or {},
-            "dump": lambda body: self.dump(body["path"]) or {},
+            "reset": reset,
+            "dump": dump,
         }
 
     def close(self) -> None:

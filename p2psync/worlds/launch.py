@@ -160,7 +160,7 @@ def join_trainer_world(rank: int, opts: Any, port: int, *, world_size: int | Non
     placement = resolve(getattr(opts, "device", "cpu"))
     if placement.device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    kwargs = {} if timeout is None else {"timeout": timeout}
+    kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
     rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id=opts.job_id, **kwargs)
     size = opts.trainers if world_size is None else world_size
     worlds = rendezvous.add(f"worlds/{rank}")  # this rank's n-th world

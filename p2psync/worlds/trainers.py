@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from .engines import dump_path, engine_ids, harness_key
 from .launch import Part, join_trainer_world
@@ -71,7 +71,8 @@ def fsdp2_trainer(rank: int, opts: WorldOptions, port: int) -> TrainerRank:
 
     def oracle() -> dict[str, torch.Tensor] | None:
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return dict(full) if rank == 0 else None
+        # full_state_dict: plain tensors (no DTensor or ShardedTensor among its values)
+        return cast("dict[str, torch.Tensor]", dict(full)) if rank == 0 else None
 
     return TrainerRank(rank, rendezvous, model, FSDP2Source(model), trainer.step, oracle, lambda: greedy(model))
 
@@ -179,7 +180,13 @@ class SessionConnection:
 
     def update(self, version: str) -> UpdateReport:
         bar = self.bar
-        return self.session.update(version, progress=(lambda done, total: bar.update(1)) if bar else None)
+        if bar is None:
+            return self.session.update(version)
+
+        def step(done: int, total: int) -> None:
+            bar.update(1)
+
+        return self.session.update(version, progress=step)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -48,6 +48,11 @@ class _Entry:
     hf: tuple[str, ...]
     owner: int | None  # EP rank holding this expert; None for non-expert tensors
 
+    @property
+    def partition(self) -> tuple[int, int]:
+        """`(partition_dim, partition_stride)`: the attributes Megatron sets on a tensor-parallel parameter."""
+        return self.tensor.partition_dim, self.tensor.partition_stride  # type: ignore[attr-defined]
+
 
 def unwrap(model: Any) -> Any:
     """The GPTModel inside DDP / Float16Module wrappers."""
@@ -104,7 +109,7 @@ class MegatronSource(TrainerSource):
         num_experts = getattr(chunks[0].config, "num_moe_experts", None) or 0
         local_experts = num_experts // len(self._ep_ranks)
         keyed: list[tuple[tuple[int, int, int], _Entry]] = []
-        expert_block: dict[tuple[int, int], int] = {}
+        expert_block: dict[tuple[int, int | None], int] = {}
         for index, (c, name, tensor) in enumerate(_tensors(chunks)):
             canon = canonical(name)
             rule = rules.get(canon.name)
@@ -130,7 +135,7 @@ class MegatronSource(TrainerSource):
 
         shape = list(entry.tensor.shape)
         if getattr(entry.tensor, "tensor_model_parallel", False):
-            shape[entry.tensor.partition_dim] *= self._group_size(entry)
+            shape[entry.partition[0]] *= self._group_size(entry)
         dtype = str(entry.tensor.dtype).removeprefix("torch.")
         for name, t in zip(entry.hf, split(torch.empty(shape, device="meta"), entry.rule.split, self._heads)):
             yield ParamSpec(name, tuple(self._trim(name, t).shape), dtype)
@@ -180,7 +185,7 @@ class MegatronSource(TrainerSource):
             return tensor
         shards = [torch.empty_like(tensor) for _ in range(size)]
         dist.all_gather(shards, tensor.contiguous(), group=self._etp if entry.owner is not None else self._tp)
-        return unshard(shards, entry.tensor.partition_dim, entry.tensor.partition_stride)
+        return unshard(shards, *entry.partition)
 
     def _share_experts(self, names: list[str], out: dict[str, torch.Tensor]) -> None:
         """Every EP rank broadcasts the experts it holds, one flat tensor per dtype."""

@@ -91,7 +91,7 @@ class _Group:
 class SglangRankModel(RankModel):
     """sglang's model of one rank and the runtime context its loaders read."""
 
-    model: torch.nn.Module
+    model: Any  # sglang's model class: a torch.nn.Module with sglang's own methods (load_weights)
     context: Any
     server_args: Any
     model_config: Any
@@ -124,7 +124,10 @@ class TargetAndDraft(torch.nn.Module):
     names. Loading and the post-load step run the target's, then the draft's in sglang's draft
     scope (`draft_scope`)."""
 
-    def __init__(self, target: torch.nn.Module, draft: torch.nn.Module) -> None:
+    target: Any  # sglang's model classes, as in SglangRankModel
+    draft: Any
+
+    def __init__(self, target: Any, draft: Any) -> None:
         super().__init__()
         self._parameters.update(target._parameters)
         self._modules.update(target._modules)
@@ -159,7 +162,7 @@ def draft_scope() -> Iterator[None]:
         yield
 
 
-def share_embed_and_head(target: torch.nn.Module, draft: torch.nn.Module) -> None:
+def share_embed_and_head(target: Any, draft: Any) -> None:
     """Give the draft the target's embedding and LM head, through the draft's own
     `set_embed_and_head` (which waits for the CUDA device: without one, nothing to wait for)."""
     embed, head = target.get_embed_and_head()

@@ -239,10 +239,8 @@ class VllmRankModel(RankModel):
         return attention_scales(self.model)
 
 
-def load_weights(
-    model: torch.nn.Module, vllm_config: Any, rank: int, weights: Iterable[tuple[str, torch.Tensor]]
-) -> None:
-    """vLLM's own `model.load_weights`, as TP rank `rank` (no post-processing)."""
+def load_weights(model: Any, vllm_config: Any, rank: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """vLLM's own `model.load_weights` (its model classes' method), as TP rank `rank` (no post-processing)."""
     with rank_state(vllm_config, rank):
         model.load_weights(weights)
 

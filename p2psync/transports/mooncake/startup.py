@@ -41,6 +41,7 @@ class StartupFailed(Exception):
 def initialize_quietly(start: Callable[[], T]) -> tuple[T, list[str]]:
     """Run `start()` with stderr captured; return its result and the lines Mooncake printed that
     were not noise (already written back to stderr). Raises StartupFailed for an exception."""
+    failure: BaseException | None
     with _captured_stderr() as lines:
         try:
             result = start()

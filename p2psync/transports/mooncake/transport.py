@@ -112,6 +112,7 @@ class MooncakeTransport(Transport):
             from mooncake.engine import TransferEngine
 
             start = f"Mooncake initialize({self.host!r}, protocol {self.protocol!r})"
+            cause: RuntimeError | None
             for attempt in range(1, BIND_ATTEMPTS + 1):
                 engine = TransferEngine()
                 try:

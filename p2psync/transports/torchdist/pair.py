@@ -42,6 +42,11 @@ def channel_key(channel: str, key: str) -> str:
     return f"torchdist/{channel}/{key}"
 
 
+def own_connection(store: dist.Store) -> dist.Store:
+    """A new client of `store`'s server, for a thread whose blocking waits must not hold up the others."""
+    return store.clone()  # type: ignore[attr-defined]  # Store.clone is bound, absent from torch's stub
+
+
 @dataclass(eq=False)  # pairs are compared and hashed by identity
 class Pair:
     """The groups of one pair: `control` (gloo) carries headers and acks, `data`
@@ -57,7 +62,7 @@ class Pair:
         """Build both groups; blocks until the peer joins or `timeout` seconds pass."""
         import torch.distributed as dist
 
-        options = dist.ProcessGroupGloo._Options()
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # bound, absent from torch's stub
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         options._timeout = timedelta(seconds=timeout)
         options._threads = 1  # point to point only: the worker threads serve collectives

@@ -19,7 +19,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ...core.memory import AddressMap, scatter
-from .pair import ENGINE, TAG, TRAINER, Pair, channel_key
+from .pair import ENGINE, TAG, TRAINER, Pair, channel_key, own_connection
 
 if TYPE_CHECKING:
     import torch
@@ -78,7 +78,7 @@ class Receiver:
     def _listen(self) -> None:
         import torch.distributed as dist
 
-        store = self.store.clone()  # its own connection: a blocking wait must not hold up other store users
+        store = own_connection(self.store)
         while not self._closed:
             key = channel_key(self.channel, f"request/{self._next}")
             try:
@@ -102,7 +102,7 @@ class Receiver:
 
         try:
             pair = Pair.connect(
-                dist.PrefixStore(channel_key(self.channel, f"pair/{n}/"), self.store.clone()),
+                dist.PrefixStore(channel_key(self.channel, f"pair/{n}/"), own_connection(self.store)),
                 ENGINE,
                 host=self.host,
                 timeout=self.timeout,

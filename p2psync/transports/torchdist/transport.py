@@ -21,7 +21,7 @@ from ...core.errors import TransferError, TransferTimeout, where
 from ...core.transport import Peer, Transport, WriteBatch
 from ...core.types import TargetTable
 from ...core.memory import AddressMap, device_of
-from .pair import ENGINE, TAG, TRAINER, Pair, channel_key
+from .pair import ENGINE, TAG, TRAINER, Pair, channel_key, own_connection
 from .receiver import Receiver
 
 if TYPE_CHECKING:
@@ -118,7 +118,7 @@ class TorchDistPeer(Peer):
         # writer threads that call write() do not inherit the caller's current device.
         self.send_device = _send_device(device)
         # Its own store connection, used by one thread at a time: open(), then write() on a writer thread.
-        self._store = transport._bound().store.clone()
+        self._store = own_connection(transport._bound().store)
         self._lock = threading.Lock()
         self._pair: Pair | None = self._connect(time.monotonic() + transport.connect_timeout)
 
