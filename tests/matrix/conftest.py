@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from p2psync.worlds import World
-from p2psync.worlds.trainers import SESSION_WAYS, trainer_kind
+from p2psync.worlds.options import SESSION_WAYS, trainer_kind
 from p2psync.conformance.plugin import combination
 from tests.helpers.matrix import BRIDGE_MODEL, WORLDS
 
