@@ -12,7 +12,7 @@ import importlib.metadata
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import pluggy
 
@@ -26,7 +26,6 @@ AUTOLOAD_ENV = "P2PSYNC_DISABLE_PLUGIN_AUTOLOAD"
 #: Each kind of registered class, and the protocol class it must subclass.
 PROTOCOLS: dict[str, type] = {"trainer_sources": TrainerSource, "engine_targets": EngineTarget, "transports": Transport}
 KINDS = tuple(PROTOCOLS)
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -76,21 +75,22 @@ class Registry:
             )
         self.entries[kind][name] = Registration(kind, name, cls, package, version)
 
-    def get(self, kind: str, name: str, protocol: type[T]) -> type[T]:
+    def get(self, kind: str, name: str) -> type:
+        """The class of `kind` registered as `name` (a subclass of the kind's protocol class: `add` checked)."""
         try:
-            return cast("type[T]", self.entries[kind][name].cls)
+            return self.entries[kind][name].cls
         except KeyError:
             known = ", ".join(sorted(self.entries[kind])) or "none"
             raise PluginError(f"no {kind[:-1].replace('_', ' ')} named {name!r} is installed (installed: {known})") from None
 
     def trainer_source(self, name: str) -> type[TrainerSource]:
-        return self.get("trainer_sources", name, TrainerSource)
+        return cast("type[TrainerSource]", self.get("trainer_sources", name))
 
     def engine_target(self, name: str) -> type[EngineTarget]:
-        return self.get("engine_targets", name, EngineTarget)
+        return cast("type[EngineTarget]", self.get("engine_targets", name))
 
     def transport(self, name: str) -> type[Transport]:
-        return self.get("transports", name, Transport)
+        return cast("type[Transport]", self.get("transports", name))
 
     def make_transport(self, transport: Transport | str, options: Mapping[str, Any] | None = None) -> Transport:
         """`transport` itself if it is an instance, else the registered transport of that
