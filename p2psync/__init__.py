@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from .core.source import LocalShard, TrainerSource
     from .core.transport import Peer, Transport, WriteBatch
     from .core.types import ParamSpec, Region, SenderGroup, TargetId, TargetParam, TargetTable
-    from .engine.endpoint import EndpointControl, EngineEndpoint, EngineHooks
+    from .engine.endpoint import EndpointControl, EndpointOptions, EngineEndpoint, EngineHooks
     from .trainer.options import DeltaOptions, SessionOptions
     from .trainer.session import Session
     from .trainer.stats import SessionStats
@@ -68,7 +68,7 @@ _EXPORTS = {
     ),
     **dict.fromkeys(["hookimpl"], "p2psync.core.hookspecs"),
     **dict.fromkeys(["Registry", "registry"], "p2psync.core.plugins"),
-    **dict.fromkeys(["EngineEndpoint", "EngineHooks", "EndpointControl"], "p2psync.engine.endpoint"),
+    **dict.fromkeys(["EngineEndpoint", "EngineHooks", "EndpointOptions", "EndpointControl"], "p2psync.engine.endpoint"),
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import p2psync
 import p2psync.conformance
+from p2psync.core import errors
 
 PLUGIN_PKG = Path(__file__).parent / "plugin_pkg"
 #: What a user and a plugin author must find at `p2psync.<name>`.
@@ -18,6 +19,7 @@ NEEDED = {
     "P2PSyncError", "ConnectError", "UpdateError", "TrainerLost", "ControlError", "TransferError", "OptionsError",
     "ConcurrentCallError", "VersionError", "TrainerSource", "EngineTarget", "EngineControl", "Transport", "Peer",
     "WriteBatch", "Layout", "ParamGroup", "ParamSpec", "TargetTable", "TargetId", "Region", "hookimpl",
+    "EngineEndpoint", "EngineHooks", "EndpointOptions",
 }
 
 
@@ -29,9 +31,33 @@ def test_every_exported_name_resolves_and_the_needed_ones_are_exported():
         assert getattr(p2psync.conformance, name) is not None, name
 
 
+def test_every_public_error_is_exported():
+    public = {
+        name for name, obj in vars(errors).items()
+        if isinstance(obj, type) and issubclass(obj, BaseException) and obj.__module__ == errors.__name__
+        and not name.startswith("_")
+    }
+    assert public <= set(p2psync.__all__), sorted(public - set(p2psync.__all__))
+
+
+def test_type_checkers_see_every_export_where_it_is_imported_from():
+    """The `if TYPE_CHECKING:` imports of p2psync/__init__.py name exactly the lazy exports, each
+    from the module `__getattr__` imports it from."""
+    tree = ast.parse(Path(p2psync.__file__).read_text())
+    (block,) = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]
+    seen = {
+        alias.name: "p2psync" + "." * (node.level > 0) + (node.module or "")
+        for node in block.body if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert seen == p2psync._EXPORTS
+    assert p2psync.__all__ == sorted({*p2psync._EXPORTS, "__version__"})
+
+
 def test_importing_p2psync_imports_no_framework():
     code = (
-        "import sys, p2psync; p2psync.Session; p2psync.Transport; p2psync.TrainerSource\n"
+        "import sys, p2psync, p2psync.conformance\n"
+        "for name in p2psync.__all__: getattr(p2psync, name)\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
         "{'torch', 'sglang', 'vllm', 'megatron', 'transformers', 'mooncake', 'nixl', 'verl'})\n"
         "print(heavy)"

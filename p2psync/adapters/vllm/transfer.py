@@ -125,8 +125,9 @@ class P2PSyncTrainerInitInfo(TrainerInitInfo):
     token: str = ""
     #: Where each engine's workers listen for control calls.
     worker_host: str = "127.0.0.1"
-    #: How the trainer's session moves weights (its token and transport options are the ones above).
-    options: SessionOptions = field(default_factory=SessionOptions)
+    #: How the trainer's session moves weights: a SessionOptions, or its fields as a mapping where the
+    #: init info is built from plain data (its token and transport options are the ones above).
+    options: SessionOptions | Mapping[str, Any] = field(default_factory=SessionOptions)
 
 
 class EngineClients:
