@@ -28,7 +28,7 @@ from .modes import mode_for
 from .options import SessionOptions
 from .plan import Plan
 from .run import RunSettings, UpdateRun
-from .stats import SessionStats
+from .stats import SessionStats, snapshot
 
 log = logging.getLogger(__name__)
 
@@ -97,22 +97,7 @@ class Session:
 
     def stats(self) -> SessionStats:
         """This rank's connection and last update, in one snapshot."""
-        conn, last = self._conn, self._last
-        if conn is None or conn.compiled is None:
-            return SessionStats(baseline_bytes=self._mode.baseline_bytes, patch_buffer_bytes=self._mode.patch_buffer_bytes)
-        compiled, pool = conn.compiled, conn.pool
-        return SessionStats(
-            buffer_bytes=pool.nbytes * len(pool.tensors) if pool else 0,
-            baseline_bytes=self._mode.baseline_bytes,
-            patch_buffer_bytes=self._mode.patch_buffer_bytes,
-            largest_group_bytes=compiled.largest_group_bytes,
-            gather_free_bytes=compiled.gather_free_bytes,
-            buckets=[list(names) for names in compiled.buckets],
-            gather_dtypes=dict(compiled.gather_dtypes),
-            sent_bytes=sum(w.progress.bytes for w in conn.writers.values()),
-            write_intervals=sorted(i for w in conn.writers.values() for i in w.progress.intervals),
-            phase_seconds=dict(last.clock.seconds) if last else {},
-        )
+        return snapshot(self._conn, self._mode, self._last.clock if self._last else None)
 
     def connect(self, engines: Sequence[str]) -> None:
         """Read the engines' target tables, build layouts and the plan, open transport peers.

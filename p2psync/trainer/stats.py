@@ -4,6 +4,12 @@ snapshot: what the bench, the worlds and tests read instead of the session's ins
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..core.report import PhaseClock
+    from .connection import Connection
+    from .modes import UpdateMode
 
 
 @dataclass(frozen=True)
@@ -41,3 +47,23 @@ class SessionStats:
     @property
     def bucket_count(self) -> int:
         return len(self.buckets)
+
+
+def snapshot(conn: Connection | None, mode: UpdateMode, clock: PhaseClock | None) -> SessionStats:
+    """The stats of connection `conn` (None: not connected) in `mode`, its last update's `clock`."""
+    baselines, patches = mode.baseline_bytes, mode.patch_buffer_bytes
+    if conn is None or conn.compiled is None:
+        return SessionStats(baseline_bytes=baselines, patch_buffer_bytes=patches)
+    compiled, pool = conn.compiled, conn.pool
+    return SessionStats(
+        buffer_bytes=pool.nbytes * len(pool.tensors) if pool else 0,
+        baseline_bytes=baselines,
+        patch_buffer_bytes=patches,
+        largest_group_bytes=compiled.largest_group_bytes,
+        gather_free_bytes=compiled.gather_free_bytes,
+        buckets=[list(names) for names in compiled.buckets],
+        gather_dtypes=dict(compiled.gather_dtypes),
+        sent_bytes=sum(w.progress.bytes for w in conn.writers.values()),
+        write_intervals=sorted(i for w in conn.writers.values() for i in w.progress.intervals),
+        phase_seconds=dict(clock.seconds) if clock else {},
+    )
