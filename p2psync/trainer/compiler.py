@@ -52,15 +52,15 @@ class Compiled:
     targets: set[TargetId] = field(default_factory=set)
     #: Where this rank gathers what it was asked to send gather-free, in words.
     degraded: list[str] = field(default_factory=list)
+    #: Per unit this rank produces from gathered tensors: its targets, and its groups in
+    #: sending order (what delta mode keeps baselines of); derived from `work` once.
+    served: dict[str, tuple[list[TargetTable], list[ParamGroup]]] = field(init=False)
 
-    def served(self) -> dict[str, tuple[list[TargetTable], list[ParamGroup]]]:
-        """Per unit this rank produces from gathered tensors: its targets, and its groups in
-        sending order (what delta mode keeps baselines of)."""
-        units: dict[str, tuple[list[TargetTable], list[ParamGroup]]] = {}
+    def __post_init__(self) -> None:
+        self.served = {}
         for work in self.work:
             for writes, groups in work:
-                units.setdefault(writes.unit, (list(writes.targets), []))[1].extend(groups)
-        return units
+                self.served.setdefault(writes.unit, (list(writes.targets), []))[1].extend(groups)
 
     def buffer_bytes(self, bucket_bytes: int) -> int:
         """The size each transfer buffer needs: a bucket's groups of one unit, but never less

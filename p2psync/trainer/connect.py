@@ -10,7 +10,6 @@ from collections.abc import Sequence
 
 from ..core.engine import EngineControl
 from ..core.errors import ConnectError, P2PSyncError, where
-from ..core.layout import Layout
 from ..core.plugins import Registry
 from ..core.rendezvous import Rendezvous
 from ..core.source import TrainerSource
@@ -24,7 +23,6 @@ from .connection import Connection
 from .layouts import LayoutCache
 from .modes import UpdateMode
 from .options import SessionOptions
-from .plan import unit_of
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +71,10 @@ class Connector:
         reusing what `current` (the session's connection) has. `held`: every world rank's
         `local_ranges`."""
         specs, mine = self._all_specs()
-        layouts: dict[str, Layout] = {}
-        for table in (t for engine_tables in conn.tables.values() for t in engine_tables):
+        tables = [t for engine_tables in conn.tables.values() for t in engine_tables]
+        for table in tables:
             self._check_table(table)
-            layouts.setdefault(unit_of(table.layout_key_text, table.rank), self.layouts.layout(table, specs))
+        layouts = self.layouts.layouts(tables, specs)
         sender = SenderView(
             self.rank, tuple(self.group.ranks), mine, self.options.bucket_bytes, self.source.bucket_kind
         )
@@ -93,7 +91,7 @@ class Connector:
             conn.pool = current.pool
         else:
             conn.pool = self._new_pool(need)
-        conn.patch_pool = self.mode.pool_for(compiled.served(), current.patch_pool if current else None, self.transport)
+        conn.patch_pool = self.mode.pool_for(compiled.served, current.patch_pool if current else None, self.transport)
         conn.open(current, self.transport, self._control_for, self.options.transfer_timeout)
         if self.rank == 0:
             check_access(conn.controls)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from itertools import zip_longest
 from typing import Any
 
@@ -60,10 +60,17 @@ class LayoutCache:
                 raise ConnectError(f"{where(table.engine_id, table.rank)}: {exc}") from exc
         return self._targets[table.engine]
 
-    def layout(self, table: TargetTable, specs: Mapping[str, ParamSpec]) -> Layout:
-        """The layout of the table's unit; a later table of a unit must publish the same
-        parameters as the first."""
-        key = self.key(table, specs)
+    def layouts(self, tables: Iterable[TargetTable], specs: Mapping[str, ParamSpec]) -> dict[str, Layout]:
+        """The layout of each unit of `tables`, from the trainer's HF tensors `specs`; every
+        later table of a unit must publish the same parameters as the first."""
+        sources = tuple(sorted((s.name, tuple(s.shape), s.dtype) for s in specs.values()))  # once per connect
+        out: dict[str, Layout] = {}
+        for table in tables:
+            out.setdefault(unit_of(table.layout_key_text, table.rank), self._layout(table, specs, sources))
+        return out
+
+    def _layout(self, table: TargetTable, specs: Mapping[str, ParamSpec], sources: tuple[Any, ...]) -> Layout:
+        key = self._key(table, sources)
         params = tuple((p.name, p.shape, p.dtype, p.nbytes) for p in table.params)
         with _BUILT_LOCK:
             cached = _BUILT.get(key)
@@ -84,9 +91,8 @@ class LayoutCache:
                 _BUILT.popitem(last=False)
         return layout
 
-    def key(self, table: TargetTable, specs: Mapping[str, ParamSpec]) -> tuple[Any, ...]:
-        """Everything that decides the layout of `table`'s unit."""
+    def _key(self, table: TargetTable, sources: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Everything that decides the layout of `table`'s unit (`sources`: the HF tensors)."""
         options = json.dumps(self.engine_options.get(table.engine, {}), sort_keys=True, default=repr)
-        sources = tuple(sorted((s.name, tuple(s.shape), s.dtype) for s in specs.values()))
         target = type(self.target(table))
         return unit_of(table.layout_key_text, table.rank), target, options, sources, VERSION
