@@ -21,8 +21,8 @@ def make_table(**changes: object) -> TargetTable:
         engine="sglang",
         layout_key={"tp": 2, "tp_rank": 1, "dtype": "bfloat16", "moe": {"backend": "triton", "ep": 1}},
         transport="mooncake",
-        transport_info={"session": "10.0.0.7:15001", "protocol": "tcp"},
-        control_url="http://10.0.0.7:30000",
+        transport_info={"session": "127.0.0.7:15001", "protocol": "tcp"},
+        control_url="http://127.0.0.7:30000",
         params=(
             TargetParam(
                 "model.layers.0.self_attn.qkv_proj.weight", (3072, 2048), "bfloat16", 0x7F0000001000, 3072 * 2048 * 2

@@ -38,8 +38,8 @@ def test_defaults_parse_into_the_declared_dataclass(name):
 
 
 def test_given_options_reach_the_transport():
-    mooncake = registry().transport("mooncake")(options={"host": "10.1.2.3", "protocol": "tcp"})
-    assert (mooncake.host, mooncake.protocol) == ("10.1.2.3", "tcp")
+    mooncake = registry().transport("mooncake")(options={"host": "127.1.2.3", "protocol": "tcp"})
+    assert (mooncake.host, mooncake.protocol) == ("127.1.2.3", "tcp")
     torchdist = registry().transport("torchdist")(options={"connect_timeout": 7})
     assert torchdist.options.connect_timeout == 7
     nixl = registry().transport("nixl")(options={"ucx_net_devices": "lo", "memory": "DRAM"})
