@@ -1,20 +1,29 @@
 """The layout of one engine rank, compiled from its rank model: copy map or replica.
 
-Compiling, group by group (`probe` says how each step reads the loader):
-1. the loader is traced on meta: which HF tensors feed which parameters, hence the groups;
-2. the real loader runs on random inputs: which bytes of each parameter it writes (only
-   those become regions: padding it leaves alone stays as the engine has it) and what;
-3. copy map only: the loader runs on index-coded inputs; each parameter whose elements
-   are all copies or constants gets blocks, kept only if replaying them on the random
-   inputs reproduces step 2's bytes bit for bit. Any other parameter falls back to the
-   replica: the engine's loader writes it, at each update, into the transfer buffer.
-The rank model is kept only while some parameter needs the loader.
+Compiling:
+1. the loader is traced once on meta (`trace`): which HF tensors feed which parameters,
+   hence the groups, and, where it only moves data, its strided copies, at a cost in
+   operations, not elements;
+2. per group, traced copies are checked by probing (`probe`): the real loader runs on
+   random inputs into parameters prefilled two ways, and the copies must write exactly the
+   bytes it wrote (only those become regions: padding it leaves alone stays as the engine
+   has it), bit for bit. A group repeating one structure (a fused parameter of many
+   experts) is checked on its first, second and last instance, so that no check holds more
+   than a few instances' inputs;
+3. a group the trace cannot express, or whose check fails, is probed element by element:
+   the loader runs on index-coded inputs, and each parameter whose elements are all copies
+   or constants gets blocks, kept only if replaying them reproduces step 2's bytes. Any
+   other parameter falls back to the replica: the engine's loader writes it, at each
+   update, into the transfer buffer.
+Groups of one structure across layers share a compiled map (`structures`). The rank model
+is kept only while some parameter needs the loader.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import mmap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -25,10 +34,11 @@ from ..core.errors import ConnectError, where
 from ..core.layout import CopyRun, Layout, ParamGroup, aligned
 from ..core.types import ParamSpec, Region, TargetTable, numel
 from .copymap import UNTOUCHED, Block, compile_blocks, replay, written_runs
-from .probe import ElementMap, connected_groups, probe_elements, trace_feeds, written_bytes
+from .probe import ElementMap, connected_groups, probe_elements, writes_like_loader, written_bytes
 from .rank_model import ParameterHolders, RankModel
 from .shard import block_runs
-from .structures import compile_shared, renamed, structure_key
+from .structures import compile_shared, renamed, sampled, structure_key
+from .trace import LoaderTrace, trace_loader
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +73,7 @@ class _Param:
 class _Group:
     group: ParamGroup
     params: list[_Param]
+    traced: bool = False  # its copies came from the loader's trace, checked on random inputs
 
     @property
     def regions(self) -> list[Region]:
@@ -75,7 +86,7 @@ class EngineLayout(Layout):
     `mode` "copy_map": strided copies, the engine's loader only for parameters whose bytes
     are not copies of the inputs (per parameter); "replica": the engine's loader for every
     group. `together`: pairs of HF tensors to produce in one group (a quantized weight and its
-    scale, which an engine's loader may read together); `feeds`: `loader_feeds` of these
+    scale, which an engine's loader may read together); `trace`: `traced_loader` of these
     sources where the caller has traced them already. Raises ConnectError, naming engine,
     rank and parameter, for a table that disagrees with the rank model, a parameter no HF
     tensor feeds, or an HF tensor the loader refuses.
@@ -83,13 +94,14 @@ class EngineLayout(Layout):
 
     def __init__(
         self, table: TargetTable, sources: Mapping[str, ParamSpec], rank_model: RankModel, *, mode: Mode,
-        together: Sequence[tuple[str, str]] = (), feeds: Mapping[str, set[str]] | None = None,
+        together: Sequence[tuple[str, str]] = (), trace: LoaderTrace | None = None,
     ) -> None:
         self.table = table
         self._holders = ParameterHolders(rank_model.model)
         check_params(table, self._holders.params)
-        if feeds is None:
-            feeds = loader_feeds(table, rank_model, self._holders.params, sources)
+        if trace is None:
+            trace = traced_loader(table, rank_model, self._holders.params, sources)
+        feeds, self._mutated = trace.feeds, trace.mutated
         unloaded = rank_model.unloaded_params()
         self._left_alone = [name for name in self._holders.params if name in unloaded and name not in feeds]
         unfed = [name for name in self._holders.params if name not in feeds and name not in unloaded]
@@ -105,21 +117,27 @@ class EngineLayout(Layout):
         compiled, shared = compile_shared(
             instances,
             lambda instance: structure_key(instance, sources, self._holders.params),
-            lambda instance: self._compile(rank_model, [sources[n] for n in instance[0]], instance[1], mode),
+            lambda instance: self._compile(rank_model, [sources[n] for n in instance[0]], instance[1], mode, trace.copies),
             _renamed_group,
         )
         self._groups: dict[tuple[str, ...], _Group] = {g.group.outputs: g for g in compiled}
         self.shared_groups = shared  # compiled by renaming a group of the same structure
+        self.traced_groups = sum(g.traced for g in compiled)  # compiled from the trace, not element probes
         self.rank_model: RankModel | None = rank_model if self.loader_params else None
         log.info(
-            "%s: %d groups (%d shared with a group of the same structure), %d parameters by the engine's loader",
-            where(table.engine_id, table.rank), len(self._groups), shared, len(self.loader_params),
+            "%s: %d groups (%d shared with a group of the same structure, %d compiled from the loader's trace), "
+            "%d parameters by the engine's loader",
+            where(table.engine_id, table.rank), len(self._groups), shared, self.traced_groups, len(self.loader_params),
         )
 
     @property
     def loader_params(self) -> list[str]:
         """Parameters the engine's loader produces at every update (not a copy map)."""
         return [p.slot.name for g in self._groups.values() for p in g.params if p.blocks is None]
+
+    def traced(self, group: ParamGroup) -> bool:
+        """Whether `group` was compiled from the loader's trace (checked), not by element probes."""
+        return self._groups[group.outputs].traced
 
     def regions_of(self, name: str) -> list[Region]:
         """The regions of parameter `name`, with buffer offsets relative to its group's bytes."""
@@ -173,17 +191,66 @@ class EngineLayout(Layout):
 
     # -- compile ---------------------------------------------------------------------------
 
-    def _compile(self, rank_model: RankModel, inputs: Sequence[ParamSpec], outputs: tuple[str, ...], mode: Mode) -> _Group:
+    def _compile(
+        self, rank_model: RankModel, inputs: Sequence[ParamSpec], outputs: tuple[str, ...], mode: Mode,
+        copies: Mapping[str, list[Block] | None],
+    ) -> _Group:
         slots, offset = [], 0
         for name in outputs:
             p = self._holders.params[name]
             slots.append(_Slot(name, offset, tuple(p.shape), p.dtype, p.numel() * p.element_size()))
             offset += aligned(slots[-1].nbytes)
         group = ParamGroup(tuple(s.name for s in inputs), outputs, offset)
+        if mode == "copy_map":
+            traced = [copies.get(name) for name in outputs]
+            if all(blocks is not None for blocks in traced):
+                checked = self._checked(rank_model, group, slots, inputs, traced)  # type: ignore[arg-type]
+                if checked is not None:
+                    return checked
+        return self._probed(rank_model, group, slots, inputs, mode)
 
+    def _checked(
+        self, rank_model: RankModel, group: ParamGroup, slots: Sequence[_Slot], inputs: Sequence[ParamSpec],
+        traced: Sequence[list[Block]],
+    ) -> _Group | None:
+        """The group from its traced copies if they write exactly what the real loader writes for
+        random inputs (a sample of them where the group repeats one structure), else None."""
+        covered = [_written_runs(blocks) for blocks in traced]
+        if any(runs is None for runs in covered):
+            log.debug("%s: its traced copies overlap", where(self.table.engine_id, self.table.rank, group.outputs[0]))
+            return None
+        has_constants = any(b.source is None for blocks in traced for b in blocks)
+        sample = {s.name for s in inputs} if has_constants else sampled([s.name for s in inputs])
+        checked = [[b for b in blocks if b.source is None or b.source in sample] for blocks in traced]
+        random = _read_at_random([s for s in inputs if s.name in sample], [b for c in checked for b in c], group.outputs[0])
+        flat = {name: t.view(-1) for name, t in random}
+
+        def views(out: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {s.name: s.view(out) for s in slots}
+
+        def write(out: torch.Tensor) -> None:
+            for slot, blocks in zip(slots, checked):
+                replay(blocks, flat, slot.view(out).view(-1))
+
+        if not writes_like_loader(rank_model.load, self._holders, views, random, group.nbytes, self._mutated, write):
+            log.debug("%s: its traced copies differ from the loader", where(self.table.engine_id, self.table.rank, group.outputs[0]))
+            return None
+        params = []
+        for slot, blocks, runs in zip(slots, traced, covered):
+            size = slot.dtype.itemsize
+            regions = [Region(slot.name, s * size, slot.offset + s * size, n * size) for s, n in runs or ()]
+            params.append(_Param(slot, regions, blocks))
+        return _Group(group, params, traced=True)
+
+    def _probed(
+        self, rank_model: RankModel, group: ParamGroup, slots: Sequence[_Slot], inputs: Sequence[ParamSpec], mode: Mode
+    ) -> _Group:
+        """The group by probing its elements (copy map) or by the engine's loader (replica)."""
+        outputs = group.outputs
         random = _random_inputs(inputs, outputs[0])
         reference, written = written_bytes(
-            rank_model.load, self._holders, lambda out: {s.name: s.view(out) for s in slots}, random, offset
+            rank_model.load, self._holders, lambda out: {s.name: s.view(out) for s in slots}, random,
+            group.nbytes, self._mutated,
         )
         maps = None
         if mode == "copy_map":
@@ -237,7 +304,27 @@ def _renamed_group(group: _Group, names: Mapping[str, str]) -> _Group:
             )
             for p in group.params
         ],
+        group.traced,
     )
+
+
+def _written_runs(blocks: Sequence[Block]) -> list[tuple[int, int]] | None:
+    """(start, length) of the element runs `blocks` write, ascending and merged; None where two
+    blocks write one element (the trace's writes then depend on their order)."""
+    runs = sorted(
+        (b.dst_offset + row * (b.dst_strides[0] if len(b.sizes) == 2 else 0), b.sizes[-1])
+        for b in blocks
+        for row in range(b.sizes[0] if len(b.sizes) == 2 else 1)
+    )
+    merged: list[tuple[int, int]] = []
+    for start, n in runs:
+        if merged and start < merged[-1][0] + merged[-1][1]:
+            return None
+        if merged and start == merged[-1][0] + merged[-1][1]:
+            merged[-1] = (merged[-1][0], merged[-1][1] + n)
+        elif n:
+            merged.append((start, n))
+    return merged
 
 
 class LoaderRefusal(ConnectError):
@@ -248,17 +335,17 @@ class LoaderRefusal(ConnectError):
         self.tensor, self.cause = tensor, cause
 
 
-def loader_feeds(
+def traced_loader(
     table: TargetTable, rank_model: RankModel, params: Mapping[str, torch.Tensor], sources: Mapping[str, ParamSpec]
-) -> dict[str, set[str]]:
-    """Which HF tensors feed which parameter (traced on meta); a LoaderRefusal naming the HF
-    tensor the engine's loader refuses."""
+) -> LoaderTrace:
+    """The engine's loader traced on meta (which HF tensors feed which parameter, and its
+    copies); a LoaderRefusal naming the HF tensor the engine's loader refuses."""
     try:
-        return trace_feeds(rank_model.load, params, list(sources.values()))
+        return trace_loader(rank_model.load, params, list(sources.values()))
     except Exception:  # engines' loaders raise anything (asserts, shape errors) on a bad tensor
         for spec in sources.values():
             try:
-                trace_feeds(rank_model.load, params, [spec])
+                trace_loader(rank_model.load, params, [spec])
             except Exception as one:
                 exc, culprit = one, spec
                 break
@@ -296,8 +383,37 @@ def check_params(table: TargetTable, params: Mapping[str, torch.Tensor]) -> None
         raise ConnectError("; ".join(problems))
 
 
+def _generator(seed_name: str) -> torch.Generator:
+    """Random numbers the same for the same group on every rank."""
+    return torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(seed_name.encode()).digest()[:4], "little"))
+
+
+def _read_at_random(inputs: Sequence[ParamSpec], blocks: Sequence[Block], seed_name: str) -> list[tuple[str, torch.Tensor]]:
+    """HF tensors in the trainer's dtypes, random where `blocks` read them and zero elsewhere.
+    The zeros are untouched pages of an anonymous mapping: a rank that reads an eighth of an
+    embedding holds an eighth of it. A loader reading other elements than the blocks do reads
+    zeros where the blocks read random values, so the check still tells them apart."""
+    generator = _generator(seed_name)
+    reads: dict[str, list[Block]] = {}
+    for b in blocks:
+        if b.source is not None:
+            reads.setdefault(b.source, []).append(b)
+    out = []
+    for spec in inputs:
+        dtype, n = getattr(torch, spec.dtype), numel(spec.shape)
+        pages = mmap.mmap(-1, max(1, n * dtype.itemsize))
+        flat = torch.frombuffer(pages, dtype=dtype, count=n) if n else torch.empty(0, dtype=dtype)
+        for b in reads.get(spec.name, ()):
+            view = torch.as_strided(flat, b.sizes, b.src_strides, b.src_offset)
+            view.copy_(torch.empty(b.sizes).uniform_(-2.0, 2.0, generator=generator))
+        out.append((spec.name, flat.view(spec.shape)))
+    return out
+
+
 def _random_inputs(inputs: Sequence[ParamSpec], seed_name: str) -> list[tuple[str, torch.Tensor]]:
     """Random HF tensors in the trainer's dtypes, the same for the same group on every rank."""
-    seed = int.from_bytes(hashlib.sha256(seed_name.encode()).digest()[:4], "little")
-    generator = torch.Generator().manual_seed(seed)
-    return [(s.name, torch.randn(s.shape, generator=generator).to(getattr(torch, s.dtype))) for s in inputs]
+    generator = _generator(seed_name)
+    return [
+        (s.name, torch.empty(s.shape).uniform_(-2.0, 2.0, generator=generator).to(getattr(torch, s.dtype)))
+        for s in inputs
+    ]

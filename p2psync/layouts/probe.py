@@ -1,11 +1,10 @@
 """Probing an engine's loader: which HF tensors feed which parameters, and what it writes.
 
 Nothing here knows an engine: a loader is any callable that takes HF tensors and writes
-into a module's parameters. Three probes, each on one group at a time:
+into a module's parameters. `trace.trace_loader` finds, on meta, which HF tensors feed which
+parameters; `connected_groups` turns that into the units produced together (q, k, v ->
+qkv_proj). Two probes then run the real loader, one group at a time:
 
-- `trace_feeds` runs the loader once on the meta device under a dispatch mode that
-  follows data from each HF tensor to the parameters it is copied into; its
-  `connected_groups` are the units produced together (q, k, v -> qkv_proj);
 - `written_bytes` runs the real loader twice on random inputs, into parameter memory
   prefilled with 0x00 and with 0xFF bytes: where either run changed a byte the loader
   wrote it, and the first run holds the loader's bytes (the reference);
@@ -19,14 +18,10 @@ into a module's parameters. Three probes, each on one group at a time:
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from ..core.types import ParamSpec, numel
 from .copymap import CONSTANT, COPY, OTHER, UNTOUCHED
@@ -37,15 +32,6 @@ Loader = Callable[[Sequence[tuple[str, torch.Tensor]]], None]
 
 _SHIFT = float(2**40)
 _FILLS = (-0.5, -0.25)
-
-
-def trace_feeds(load: Loader, params: Mapping[str, torch.Tensor], specs: Sequence[ParamSpec]) -> dict[str, set[str]]:
-    """For each parameter (on meta), the HF tensors whose data the loader copies into it."""
-    inputs = {s.name: torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta") for s in specs}
-    flow = _Flow(inputs, params)
-    with flow:
-        load(list(inputs.items()))
-    return dict(flow.writes)
 
 
 def connected_groups(
@@ -79,17 +65,38 @@ def connected_groups(
 
 def written_bytes(
     load: Loader, holders: ParameterHolders, views: Callable[[torch.Tensor], dict[str, torch.Tensor]],
-    inputs: Sequence[tuple[str, torch.Tensor]], nbytes: int,
+    inputs: Sequence[tuple[str, torch.Tensor]], nbytes: int, mutated: Collection[str],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The loader's bytes for `inputs`, and which bytes it writes (a bool mask), over a buffer of
-    `nbytes` that `views(buffer)` cuts into the parameters."""
+    `nbytes` that `views(buffer)` cuts into the parameters. Inputs named in `mutated` (the
+    loader changes them in place) are given to each run as copies, so both runs see the same."""
     runs = []
     for pattern in (0x00, 0xFF):
         out = torch.full((nbytes,), pattern, dtype=torch.uint8)
         with holders.backed(views(out)):
-            load([(name, t.clone()) for name, t in inputs])  # both runs see the same inputs
+            load([(name, t.clone() if name in mutated else t) for name, t in inputs])
         runs.append(out)
     return runs[0], (runs[0] != 0x00) | (runs[1] != 0xFF)
+
+
+def writes_like_loader(
+    load: Loader, holders: ParameterHolders, views: Callable[[torch.Tensor], dict[str, torch.Tensor]],
+    inputs: Sequence[tuple[str, torch.Tensor]], nbytes: int, mutated: Collection[str],
+    write: Callable[[torch.Tensor], None],
+) -> bool:
+    """Whether `write(buffer)` leaves a buffer of `nbytes` exactly as the loader leaves it for
+    `inputs`, both over a buffer prefilled with 0x00 bytes and over one prefilled with 0xFF:
+    then both write the same bytes (a byte only one of them wrote would have to equal both
+    fills) with the same values. Two buffers at a time, no masks."""
+    for pattern in (0x00, 0xFF):
+        loaded = torch.full((nbytes,), pattern, dtype=torch.uint8)
+        with holders.backed(views(loaded)):
+            load([(name, t.clone() if name in mutated else t) for name, t in inputs])
+        written = torch.full((nbytes,), pattern, dtype=torch.uint8)
+        write(written)
+        if not torch.equal(loaded, written):
+            return False
+    return True
 
 
 @dataclass
@@ -137,45 +144,3 @@ def _decode(a: torch.Tensor, b: torch.Tensor, total: int) -> ElementMap:
     kind[untouched], kind[copy], kind[constant] = UNTOUCHED, COPY, CONSTANT
     source = torch.where(copy, a - 1, torch.full_like(a, -1)).to(torch.int64)
     return ElementMap(kind, source, torch.where(constant, a, torch.zeros_like(a)))
-
-
-def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
-class _Flow(TorchDispatchMode):
-    """Follows which HF tensors each tensor was computed from, down to parameter writes."""
-
-    def __init__(self, inputs: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> None:
-        super().__init__()
-        self.sources: dict[int, set[str]] = {_key(t): {name} for name, t in inputs.items()}
-        self.params = {_key(t): name for name, t in params.items()}
-        self.writes: dict[str, set[str]] = defaultdict(set)
-        self._alive: list[Any] = []  # storages stay alive so that their ids are never reused
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        flat_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        came_from = set().union(*(self.sources.get(_key(t), ()) for t in flat_in))
-        if not came_from:
-            return out
-        written = _mutated(func, args, kwargs) + [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        for t in written:
-            key = _key(t)
-            if key in self.params:
-                self.writes[self.params[key]] |= came_from
-            else:
-                self.sources.setdefault(key, set()).update(came_from)
-                self._alive.append(t.untyped_storage())
-        return out
-
-
-def _mutated(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensor arguments an aten op writes into."""
-    out = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            value = kwargs.get(arg.name, args[i] if i < len(args) and not arg.kwarg_only else None)
-            out += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
-    return out

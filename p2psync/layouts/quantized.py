@@ -28,7 +28,8 @@ import torch
 from ..core.errors import ConnectError, where
 from ..core.layout import CopyRun, Layout, ParamGroup
 from ..core.types import ParamSpec, Region, TargetTable
-from .layout import EngineLayout, LoaderRefusal, Mode, loader_feeds
+from .layout import EngineLayout, LoaderRefusal, Mode, traced_loader
+from .trace import LoaderTrace
 from .quantizers import FP8_DTYPE, INPUT_DTYPES, Quantizer, QuantizerError
 from .rank_model import RankModel
 
@@ -48,9 +49,9 @@ def _feeds(
         for name, spec in sources.items()
     }
     try:
-        return loader_feeds(table, rank_model, params, presented)
+        return traced_loader(table, rank_model, params, presented).feeds
     except ConnectError:
-        return loader_feeds(table, rank_model, params, sources)
+        return traced_loader(table, rank_model, params, sources).feeds
 
 
 class QuantizedLayout(Layout):
@@ -73,8 +74,8 @@ class QuantizedLayout(Layout):
         self.quantized = self._to_quantize(_feeds(table, rank_model, params, sources), params, sources)
         together = [(name, quantizer.scale_name(name)) for name in sources if name in self.quantized]
         checkpoint = self._quantized_specs(sources)
-        feeds = self._scales_loaded(rank_model, params, checkpoint, [scale for _, scale in together])
-        self.inner = EngineLayout(table, checkpoint, rank_model, mode=mode, together=together, feeds=feeds)
+        trace = self._scales_loaded(rank_model, params, checkpoint, [scale for _, scale in together])
+        self.inner = EngineLayout(table, checkpoint, rank_model, mode=mode, together=together, trace=trace)
         # the same groups, read from the trainer's tensors: a scale is made from its weight
         scale_of = {scale: name for name, scale in together}
         self._inner_of = {g.outputs: g for g in self.inner.groups()}
@@ -190,22 +191,22 @@ class QuantizedLayout(Layout):
     def _scales_loaded(
         self, rank_model: RankModel, params: Mapping[str, torch.Tensor], checkpoint: Mapping[str, ParamSpec],
         scales: Sequence[str],
-    ) -> dict[str, set[str]]:
-        """`loader_feeds` of the quantized checkpoint; ConnectError naming a scale the loader refuses
+    ) -> LoaderTrace:
+        """`traced_loader` of the quantized checkpoint; ConnectError naming a scale the loader refuses
         or loads into no parameter (the engine holds no scale of that name)."""
         engine = self.table.engine
         try:
-            feeds = loader_feeds(self.table, rank_model, params, checkpoint)
+            trace = traced_loader(self.table, rank_model, params, checkpoint)
         except LoaderRefusal as exc:
             if exc.tensor not in scales:
                 raise
             raise self._scale_not_held(exc.tensor, f"{engine}'s loader refuses it: {exc.cause}") from exc
-        loaded = {hf for hfs in feeds.values() for hf in hfs}
+        loaded = {hf for hfs in trace.feeds.values() for hf in hfs}
         unloaded = [scale for scale in scales if scale not in loaded]
         if unloaded:
             more = f"; nor {len(unloaded) - 1} more scales" if len(unloaded) > 1 else ""
             raise self._scale_not_held(unloaded[0], f"{engine}'s loader loads it into no parameter{more}")
-        return feeds
+        return trace
 
     def _scale_not_held(self, scale: str, why: str) -> ConnectError:
         t = self.table

@@ -77,3 +77,20 @@ def renamed(item: Any, names: Mapping[str, str], fields: Sequence[str]) -> Any:
     """A frozen dataclass `item` with its name `fields` mapped through `names`."""
     changes = {f: names.get(getattr(item, f), getattr(item, f)) for f in fields if getattr(item, f) is not None}
     return dataclasses.replace(item, **changes)
+
+
+def sampled(names: Sequence[str]) -> set[str]:
+    """Of one group's inputs, those of its first, second and last instance where the group
+    repeats one structure (a fused parameter of many experts: `experts.#.gate_proj.weight`
+    for every expert); every input where nothing repeats more than three times. Instances
+    are the tuples of numbers in the names, in numeric order."""
+    families: dict[str, int] = {}
+    for name in names:
+        masked = _NUMBER.sub("#", name)
+        families[masked] = families.get(masked, 0) + 1
+    if all(count <= 3 for count in families.values()):
+        return set(names)
+    numbers = {name: tuple(int(n) for n in _NUMBER.findall(name)) for name in names}
+    instances = sorted(set(numbers.values()))
+    keep = {instances[0], instances[1], instances[-1]}
+    return {name for name in names if numbers[name] in keep}

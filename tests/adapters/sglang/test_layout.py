@@ -42,6 +42,7 @@ def check_every_rank(kind: str, tp: int, ep: int, mode: str) -> None:
         if mode == "copy_map":
             assert layout.loader_params == [], "these models' loaders only copy and pad"
             assert layout.rank_model is None, "a copy map without fallbacks keeps no rank model"
+            assert all(layout.traced(g) for g in layout.groups()), "sglang's loaders are traced, no element probes"
         else:
             assert len(layout.loader_params) == len(table.params)
         if kind.endswith("-deep"):

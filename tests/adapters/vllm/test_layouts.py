@@ -48,6 +48,8 @@ def test_layout_bytes_equal_vllm_load_on_every_rank(kind, tp):
         assert all(t.count_nonzero() > 0 for t in expected.values()), "vLLM left a parameter unloaded"
         for mode in ("copy_map", "replica"):
             layout = VllmEngineTarget(layout=mode).layout(table, specs(tensors))
+            if mode == "copy_map":
+                assert all(layout.traced(g) for g in layout.groups()), "vLLM's loaders are traced, no element probes"
             if kind.endswith("-deep"):
                 assert layout.shared_groups > 0, "a deep model's layers share compiled maps"
             assert_same_bytes(produce(layout, tensors, expected), expected)
