@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import mmap
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -157,9 +157,9 @@ class EngineLayout(Layout):
         compiled = self._groups[group.outputs]
         by_loader = {p.slot.name: p.slot.view(out) for p in compiled.params if p.blocks is None}
         if by_loader:
-            assert self.rank_model is not None
-            with self._holders.backed(by_loader):  # copies: a loader may change its input (Gemma's 1 + w)
-                self.rank_model.load([(name, tensors[name].clone()) for name in group.inputs])
+            rank_model, holders = self._loader()
+            with holders.backed(by_loader):  # copies: a loader may change its input (Gemma's 1 + w)
+                rank_model.load([(name, tensors[name].clone()) for name in group.inputs])
         flat = {name: tensors[name].contiguous().view(-1) for name in group.inputs}
         for p in compiled.params:
             if p.blocks is not None:
@@ -188,6 +188,36 @@ class EngineLayout(Layout):
             size = p.slot.dtype.itemsize
             regions += [Region(p.slot.name, b.dst_offset * size, p.slot.offset + b.dst_offset * size, b.sizes[0] * size) for b in constants]
         return regions
+
+    # -- stored (see `stored`) -----------------------------------------------------------------
+
+    _rebuild: Callable[[], RankModel]
+
+    def compiled_groups(self) -> list[_Group]:
+        """Its compiled groups: what `stored` keeps of it."""
+        return list(self._groups.values())
+
+    @classmethod
+    def restored(
+        cls, table: TargetTable, groups: Sequence[_Group], left_alone: Sequence[str], shared_groups: int,
+        rank_model: Callable[[], RankModel],
+    ) -> EngineLayout:
+        """The layout of `table`'s unit compiled before, from its compiled groups: nothing is
+        compiled. `rank_model` builds its rank model when a parameter the engine's loader produces
+        is first filled (`rank_model` stays None until then), never where there is none."""
+        layout = cls.__new__(cls)
+        layout.table, layout.shared_groups, layout._left_alone = table, shared_groups, list(left_alone)
+        layout._groups = {g.group.outputs: g for g in groups}
+        layout.traced_groups = sum(g.traced for g in groups)
+        layout.rank_model, layout._rebuild = None, rank_model
+        return layout
+
+    def _loader(self) -> tuple[RankModel, ParameterHolders]:
+        """The rank model and its parameters' holders; a restored layout builds them at first use."""
+        if self.rank_model is None:
+            self.rank_model = self._rebuild()
+            self._holders = ParameterHolders(self.rank_model.model)
+        return self.rank_model, self._holders
 
     # -- compile ---------------------------------------------------------------------------
 
@@ -311,11 +341,13 @@ def _renamed_group(group: _Group, names: Mapping[str, str]) -> _Group:
 def _written_runs(blocks: Sequence[Block]) -> list[tuple[int, int]] | None:
     """(start, length) of the element runs `blocks` write, ascending and merged; None where two
     blocks write one element (the trace's writes then depend on their order)."""
-    runs = sorted(
-        (b.dst_offset + row * (b.dst_strides[0] if len(b.sizes) == 2 else 0), b.sizes[-1])
-        for b in blocks
-        for row in range(b.sizes[0] if len(b.sizes) == 2 else 1)
-    )
+    runs = []
+    for b in blocks:
+        if len(b.sizes) == 1 or b.dst_strides[0] == b.sizes[1]:  # rows back to back: one run
+            runs.append((b.dst_offset, numel(b.sizes)))
+        else:
+            runs += [(b.dst_offset + row * b.dst_strides[0], b.sizes[1]) for row in range(b.sizes[0])]
+    runs.sort()
     merged: list[tuple[int, int]] = []
     for start, n in runs:
         if merged and start < merged[-1][0] + merged[-1][1]:

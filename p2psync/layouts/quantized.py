@@ -76,17 +76,29 @@ class QuantizedLayout(Layout):
         checkpoint = self._quantized_specs(sources)
         trace = self._scales_loaded(rank_model, params, checkpoint, [scale for _, scale in together])
         self.inner = EngineLayout(table, checkpoint, rank_model, mode=mode, together=together, trace=trace)
-        # the same groups, read from the trainer's tensors: a scale is made from its weight
-        scale_of = {scale: name for name, scale in together}
-        self._inner_of = {g.outputs: g for g in self.inner.groups()}
-        self._groups = [
-            ParamGroup(tuple(n for n in g.inputs if n not in scale_of), g.outputs, g.nbytes)
-            for g in self.inner.groups()
-        ]
+        self._index()
         log.info(
             "%s: %d HF tensors quantized by %r (block %s) before the layout",
             where(table.engine_id, table.rank), len(self.quantized), quantizer.name, quantizer.block,
         )
+
+    @classmethod
+    def restored(
+        cls, table: TargetTable, inner: EngineLayout, quantizer: Quantizer, dtype: torch.dtype, quantized: frozenset[str]
+    ) -> QuantizedLayout:
+        """The layout compiled before around `inner` (see `stored`): nothing is compiled."""
+        layout = cls.__new__(cls)
+        layout.table, layout.quantizer, layout.dtype, layout.quantized, layout.inner = table, quantizer, dtype, quantized, inner
+        layout._index()
+        return layout
+
+    def _index(self) -> None:
+        """The inner layout's groups, read from the trainer's tensors: a scale is made from its weight."""
+        scales = {self.quantizer.scale_name(name) for name in self.quantized}
+        self._inner_of = {g.outputs: g for g in self.inner.groups()}
+        self._groups = [
+            ParamGroup(tuple(n for n in g.inputs if n not in scales), g.outputs, g.nbytes) for g in self.inner.groups()
+        ]
 
     # -- what the tests and the session read ---------------------------------------------------
 

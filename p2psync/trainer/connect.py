@@ -1,7 +1,10 @@
 """Building a connection for a session: read the engines' tables, build (or reuse) their
 layouts, compile what this rank sends, and open the buffers, peers, writers and control
 clients. Everything here may fail on one rank only; `Session.connect` runs it between
-the collectives that make every rank agree on the outcome."""
+the collectives that make every rank agree on the outcome. `prepare` holds collectives of
+its own (the HF tensors of every rank, the layouts' shared compile): what precedes each
+fails on every rank alike or not at all, and the layouts' exchange carries any rank's
+compile error to every rank."""
 
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ class Connector:
         self.options, self.token, self.mode = options, token, mode
         self.rank = collectives.world_rank()
         self.group = source.sender_group()
-        self.layouts = LayoutCache(registry, options.engine_options)
+        self.layouts = LayoutCache(registry, options.engine_options, options.layout_cache_dir)
 
     def read_tables(self, engines: Sequence[str]) -> dict[str, list[TargetTable]] | str:
         try:
@@ -74,7 +77,9 @@ class Connector:
         tables = [t for engine_tables in conn.tables.values() for t in engine_tables]
         for table in tables:
             self._check_table(table)
-        layouts = self.layouts.layouts(tables, specs)
+        layouts = self.layouts.layouts(tables, specs)  # collective: every rank reaches it or none does
+        conn.layout_counts = self.layouts.counts
+        log.info("layouts of %d engine ranks: %s", len(layouts), conn.layout_counts)
         sender = SenderView(
             self.rank, tuple(self.group.ranks), mine, self.options.bucket_bytes, self.source.bucket_kind
         )

@@ -19,6 +19,7 @@ from ..core.transport import Peer, Transport
 from ..core.types import TargetId, TargetTable
 from .buffers import BufferPool
 from .compiler import Compiled
+from .layouts import LayoutCounts
 from .writer import EngineWriter
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ class Connection:
 
     tables: dict[str, list[TargetTable]]
     compiled: Compiled | None = None
+    layout_counts: LayoutCounts = field(default_factory=LayoutCounts)  # where its layouts came from
     pool: BufferPool | None = None
     patch_pool: BufferPool | None = None  # delta mode: where patches are staged
     peers: dict[TargetId, tuple[str, Peer]] = field(default_factory=dict)  # target -> (its table's json, peer)

@@ -4,6 +4,7 @@ bench and the worlds pass whole, instead of re-spelling the session's keywords."
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -54,7 +55,9 @@ class SessionOptions:
     marks itself stale. `gather`: "always" gathers every HF tensor before producing
     bytes; "auto" sends groups that are copies of the ranks' own shards without a gather
     and gathers the rest. `delta` (True, `DeltaOptions` or their mapping) sends each
-    target only what changed since the bytes it holds.
+    target only what changed since the bytes it holds. `layout_cache_dir` (default
+    `$P2PSYNC_CACHE_DIR`; None: none) keeps compiled layouts on disk for later processes;
+    every rank and job may share it.
     """
 
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -68,6 +71,7 @@ class SessionOptions:
     update_lease: float | None = None
     gather: Literal["auto", "always"] = "always"
     delta: bool | Mapping[str, Any] | DeltaOptions | None = None
+    layout_cache_dir: str | None = field(default_factory=lambda: os.environ.get("P2PSYNC_CACHE_DIR") or None)
 
     def __post_init__(self) -> None:
         if self.gather not in GATHER_MODES:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .layouts import LayoutCounts
+
 if TYPE_CHECKING:
     from ..core.report import PhaseClock
     from .connection import Connection
@@ -26,7 +28,9 @@ class SessionStats:
     update; `phase_seconds`: where the last update spent its time: pause (until world
     rank 0 paused the engines), gather, produce (filling buffers), delta (comparing with
     the baselines and staging patches), buffer_wait (for a buffer that writes still
-    held), drain (the last writes), verify, finish (reports and finish calls).
+    held), drain (the last writes), verify, finish (reports and finish calls);
+    `layouts`: where the connect's layouts came from (compiled on this rank, from this
+    process's memory, from the layout cache directory, from other trainer ranks).
     """
 
     buffer_bytes: int = 0
@@ -39,6 +43,7 @@ class SessionStats:
     sent_bytes: int = 0
     write_intervals: list[tuple[float, float]] = field(default_factory=list)
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    layouts: LayoutCounts = field(default_factory=LayoutCounts)
 
     @property
     def delta_bytes(self) -> int:
@@ -66,4 +71,5 @@ def snapshot(conn: Connection | None, mode: UpdateMode, clock: PhaseClock | None
         sent_bytes=sum(w.progress.bytes for w in conn.writers.values()),
         write_intervals=sorted(i for w in conn.writers.values() for i in w.progress.intervals),
         phase_seconds=dict(clock.seconds) if clock else {},
+        layouts=conn.layout_counts,
     )

@@ -19,6 +19,7 @@ from p2psync.adapters.torch.target import TorchEngineTarget  # noqa: E402
 from p2psync.core.control import post  # noqa: E402
 from p2psync.core.errors import ConnectError  # noqa: E402
 from p2psync.core.rendezvous import Rendezvous  # noqa: E402
+from p2psync.trainer.layouts import LayoutCounts  # noqa: E402
 from p2psync.trainer.session import Session  # noqa: E402
 from p2psync.core.types import TargetParam, TargetTable  # noqa: E402
 from p2psync.transports.mooncake.transport import MooncakeTransport  # noqa: E402
@@ -59,6 +60,7 @@ def test_engines_join_leave_and_restart_without_rebuilding_the_others(monkeypatc
         engine_group.start("a", seed=7)
         session.connect(["a", "c"])
         assert (built[2:], transport.opened[3:]) == ([], ["a"])
+        assert session.stats().layouts == LayoutCounts(memory=2), "the table read, a peer opened: nothing compiled"
         assert session.update("v4").ok
 
 

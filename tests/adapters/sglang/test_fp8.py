@@ -233,3 +233,20 @@ def test_online_quantization_of_an_unquantized_checkpoint_is_refused():
     config = config_dict("qwen3", None)
     table = with_key(qwen3_table(), config=config, config_sha256=config_hash(config), quantization="fp8")
     assert "quantization='fp8' with a checkpoint quantized as None: sglang quantizes while loading" in refused(table)
+
+
+def test_a_stored_fp8_layout_fills_what_sglangs_load_writes():
+    """An fp8 layout through its bytes (`layouts.stored`: what the layout cache keeps and trainer
+    ranks exchange) quantizes and fills what sglang's own load of the fp8 checkpoint writes."""
+    from p2psync.layouts import stored
+
+    quantizer, tensors = quantizer_of("block-linear", 128), checkpoint("qwen3_moe")
+    expected, table = sglang_rank("qwen3_moe", quantizer, 2, 2, 1)
+    target = SglangEngineTarget(quantizer="block-linear")
+    data = stored.encode(target.layout(table, specs(tensors)))
+    assert data is not None
+    layout = stored.decode(data, table, lambda: target.rank_model(table))
+    assert layout.quantizer == quantizer and layout.quantized
+    held = produce(layout, tensors, table)
+    for param, tensor in expected.items():
+        assert torch.equal(held[param], flat_bytes(tensor)), param

@@ -140,3 +140,22 @@ def test_post_load_on_layout_bytes_derives_what_sglangs_load_derives():
     for layer, ref in zip(engine.model.model.layers, reference.model.model.layers):
         assert torch.equal(layer.self_attn.w_kc, ref.self_attn.w_kc)
         assert torch.equal(layer.self_attn.w_vc, ref.self_attn.w_vc)
+
+
+@pytest.mark.parametrize("mode", ["copy_map", "replica"])
+def test_a_stored_layout_fills_what_sglangs_load_writes(mode):
+    """A layout through its bytes (`layouts.stored`: what the layout cache keeps on disk and trainer
+    ranks exchange) fills what sglang's own load writes; the replica rebuilds its rank model."""
+    from p2psync.layouts import stored
+
+    tensors = checkpoint("qwen3_moe")
+    expected, table = sglang_rank(config_dict(hf_config("qwen3_moe")), 2, 2, 1, tensors)
+    target = SglangEngineTarget(layout=mode)
+    data = stored.encode(target.layout(table, specs(tensors)))
+    assert data is not None
+    layout = stored.decode(data, table, lambda: target.rank_model(table))
+    assert layout.rank_model is None, "built when a parameter the loader produces is first filled"
+    held = produce(layout, tensors, table)
+    assert (layout.rank_model is None) == (mode == "copy_map")
+    for name, tensor in expected.items():
+        assert torch.equal(held[name], tensor.contiguous().view(-1).view(torch.uint8)), (mode, name)

@@ -94,3 +94,20 @@ def test_a_table_that_disagrees_with_the_rebuilt_model_is_rejected():
     wrong = TargetTable(**{**table.__dict__, "params": table.params[1:]})
     with pytest.raises(ConnectError, match="engine 'engine' rank 0 parameter .*: vllm's rank model has it, the engine did not publish it"):
         VllmEngineTarget().layout(wrong, specs(tensors))
+
+
+@pytest.mark.parametrize("mode", ["copy_map", "replica"])
+def test_a_stored_layout_fills_what_vllms_load_writes(mode):
+    """A layout through its bytes (`layouts.stored`: what the layout cache keeps on disk and trainer
+    ranks exchange) fills what vLLM's own load writes; the replica rebuilds its rank model."""
+    from p2psync.layouts import stored
+
+    tensors = checkpoint("qwen3_moe")
+    expected, table = engine_rank("qwen3_moe", 2, 1, tensors)
+    target = VllmEngineTarget(layout=mode)
+    data = stored.encode(target.layout(table, specs(tensors)))
+    assert data is not None
+    layout = stored.decode(data, table, lambda: target.rank_model(table))
+    assert layout.rank_model is None, "built when a parameter the loader produces is first filled"
+    assert_same_bytes(produce(layout, tensors, expected), expected)
+    assert (layout.rank_model is None) == (mode == "copy_map")
