@@ -37,7 +37,7 @@ from .copymap import UNTOUCHED, Block, compile_blocks, replay, written_runs
 from .probe import ElementMap, connected_groups, probe_elements, writes_like_loader, written_bytes
 from .rank_model import ParameterHolders, RankModel
 from .shard import block_runs
-from .structures import compile_shared, renamed, sampled, structure_key
+from .structures import compile_shared, renamed, sampled, structure_key, traced_once_per_layer
 from .trace import LoaderTrace, trace_loader
 
 log = logging.getLogger(__name__)
@@ -372,8 +372,12 @@ def traced_loader(
 ) -> LoaderTrace:
     """The engine's loader traced on meta (which HF tensors feed which parameter, and its
     copies); a LoaderRefusal naming the HF tensor the engine's loader refuses."""
+    names = {*params, *sources}
     try:
-        return trace_loader(rank_model.load, params, list(sources.values()))
+        return traced_once_per_layer(
+            lambda specs: trace_loader(rank_model.load, params, specs), list(sources.values()),
+            lambda trace, layer, to: trace.layer_part(layer, to, names), LoaderTrace.merged,
+        )
     except Exception:  # engines' loaders raise anything (asserts, shape errors) on a bad tensor
         for spec in sources.values():
             try:

@@ -22,6 +22,7 @@ from ..core.types import ParamSpec
 #: A group as `connected_groups` gives it: its inputs and its outputs.
 Instance = tuple[tuple[str, ...], tuple[str, ...]]
 G = TypeVar("G")
+T = TypeVar("T")
 
 _NUMBER = re.compile(r"\d+")
 
@@ -94,3 +95,56 @@ def sampled(names: Sequence[str]) -> set[str]:
     instances = sorted(set(numbers.values()))
     keep = {instances[0], instances[1], instances[-1]}
     return {name for name in names if numbers[name] in keep}
+
+
+#: A name's layer: its first number between dots (`model.layers.7.mlp...` is layer 7).
+_LAYER = re.compile(r"(?<=\.)\d+(?=\.)")
+
+
+def layer_of(name: str) -> int | None:
+    match = _LAYER.search(name)
+    return None if match is None else int(match.group())
+
+
+def in_layer(name: str, layer: int) -> str:
+    """`name` with its layer number replaced by `layer`."""
+    return _LAYER.sub(str(layer), name, count=1)
+
+
+def traced_once_per_layer(
+    trace: Callable[[Sequence[ParamSpec]], T], specs: Sequence[ParamSpec],
+    rename: Callable[[T, int, int], T | None], merge: Callable[[Sequence[T]], T],
+) -> T:
+    """`trace(specs)`, running the loader only on the first, second and last layer of each layer
+    structure (layers whose HF tensors are equal once their layer number is masked) and the
+    tensors of no layer: every other layer's trace is its structure's first layer's, renamed.
+    `rename(trace, a, b)`: the part of `trace` of layer a, its names moved to layer b (None
+    where a moved name does not exist or the trace crosses layers). The second and last
+    layers must equal the first renamed, or every layer is traced. Loading a 48-layer model's experts on meta costs
+    seconds per layer in an engine's Python loader; this pays for three."""
+    layers: dict[int, list[ParamSpec]] = {}
+    rest: list[ParamSpec] = []
+    for spec in specs:
+        layer = layer_of(spec.name)
+        (rest if layer is None else layers.setdefault(layer, [])).append(spec)
+    structures: dict[tuple[Any, ...], list[int]] = {}
+    for layer in sorted(layers):
+        key = tuple(sorted((_LAYER.sub("#", s.name, count=1), tuple(s.shape), s.dtype) for s in layers[layer]))
+        structures.setdefault(key, []).append(layer)
+    checked = {layer for members in structures.values() for layer in (members[0], members[1 % len(members)], members[-1])}
+    if len(checked) == len(layers):
+        return trace(specs)
+    traced = trace([*rest, *(s for layer in sorted(checked) for s in layers[layer])])
+    others = []
+    for members in structures.values():
+        first = members[0]
+        for layer in {members[1 % len(members)], members[-1]} - {first}:
+            if rename(traced, first, layer) != rename(traced, layer, layer):
+                return trace(specs)
+        for layer in members:
+            if layer not in checked:
+                renamed_trace = rename(traced, first, layer)
+                if renamed_trace is None:
+                    return trace(specs)
+                others.append(renamed_trace)
+    return merge([traced, *others])

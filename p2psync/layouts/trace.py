@@ -21,7 +21,7 @@ traced copies, and the layout probes its elements instead. Tracing is only ever 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten
 from ..core.types import ParamSpec
 from .copymap import Block
 from .probe import Loader
+from .structures import in_layer, layer_of, renamed
 
 _aten = torch.ops.aten
 #: Ops whose result holds its (first) argument's elements, in its shape, perhaps in another dtype.
@@ -98,6 +99,33 @@ class LoaderTrace:
     feeds: dict[str, set[str]] = field(default_factory=dict)
     copies: dict[str, list[Block] | None] = field(default_factory=dict)
     mutated: set[str] = field(default_factory=set)
+
+    def layer_part(self, layer: int, to: int, names: Collection[str]) -> LoaderTrace | None:
+        """The part of this trace of layer `layer`'s parameters, every name moved to layer `to`;
+        None where a moved name is not in `names` or a parameter is fed from another layer."""
+        out = LoaderTrace()
+        for param, hfs in self.feeds.items():
+            if any(layer_of(hf) != layer_of(param) for hf in hfs):
+                return None
+            if layer_of(param) != layer:
+                continue
+            moved = {name: in_layer(name, to) for name in (param, *hfs)}
+            if any(name not in names for name in moved.values()):
+                return None
+            blocks = self.copies.get(param)
+            out.feeds[moved[param]] = {moved[hf] for hf in hfs}
+            out.copies[moved[param]] = None if blocks is None else [renamed(b, moved, ("source",)) for b in blocks]
+        out.mutated = {in_layer(name, to) for name in self.mutated if layer_of(name) == layer}
+        return out
+
+    @staticmethod
+    def merged(traces: Sequence[LoaderTrace]) -> LoaderTrace:
+        out = LoaderTrace()
+        for t in traces:
+            out.feeds.update(t.feeds)
+            out.copies.update(t.copies)
+            out.mutated |= t.mutated
+        return out
 
 
 def trace_loader(load: Loader, params: Mapping[str, torch.Tensor], specs: Sequence[ParamSpec]) -> LoaderTrace:

@@ -10,7 +10,9 @@ import torch
 
 from p2psync.conformance.base import specs_of
 from p2psync.layouts import RankModel
-from p2psync.layouts.layout import EngineLayout
+from p2psync.layouts.layout import EngineLayout, traced_loader
+from p2psync.layouts.structures import layer_of
+from p2psync.layouts.trace import trace_loader
 from tests.helpers.toy_engine import HEAD_DIM, HEADS, ToyEngineModel, ToyRankModel, ToyTarget, engine_rank, hf_model
 
 LAYERS = 8
@@ -63,3 +65,34 @@ def test_a_layer_its_loader_treats_differently_is_not_shared():
     layout = Quirky().layout(table, specs_of(sources))
     assert layout.shared_groups == 2 * (LAYERS - 3), "o's structure is compiled layer by layer"
     own_bytes(layout, table, sources, expected)
+
+
+class Counting(ToyRankModel):
+    """A toy rank model that notes the layers each meta load is given."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.loaded: list[set[int | None]] = []
+
+    def load(self, items) -> None:
+        if items and items[0][1].is_meta:
+            self.loaded.append({layer_of(name) for name, _ in items})
+        super().load(items)
+
+
+@pytest.mark.parametrize("model", [ToyEngineModel, LastLayerDiffers], ids=["same", "last-differs"])
+def test_the_loader_is_traced_on_three_layers_of_a_structure_and_equals_the_whole_trace(model):
+    sources = {n: t.detach().clone() for n, t in hf_model(0, LAYERS).state_dict().items()}
+    _, _, table = engine_rank(2, 1, sources, LAYERS, model)
+    rank_model = Counting(2, 1, layers=LAYERS, model=model)
+    params = dict(rank_model.model.named_parameters())
+    shared = traced_loader(table, rank_model, params, specs_of(sources))
+    whole = trace_loader(rank_model.load, params, list(specs_of(sources).values()))  # the oracle: every layer traced
+    assert (shared.feeds, shared.copies, shared.mutated) == (whole.feeds, whole.copies, whole.mutated)
+    first = rank_model.loaded[0] - {None}
+    if model is ToyEngineModel:
+        assert first == {0, 1, LAYERS - 1}, "three layers traced, the rest renamed"
+    else:
+        assert first == {0, 1, LAYERS - 1} and rank_model.loaded[1] - {None} == set(range(LAYERS)), (
+            "the last layer differs: every layer is traced"
+        )
