@@ -113,6 +113,49 @@ def compare(source: Any, hf: dict[str, torch.Tensor]) -> list[str]:
     return errors
 
 
+def check_local_shards(case: Case, hf: dict[str, torch.Tensor]) -> list[str]:
+    """Build `case` on this rank; the local shards of every rank of its sender group, placed by
+    their ranges into zeros, must give what the source's gather gives (and the HF checkpoint
+    tensors), and the ranges of the group must cover every element exactly once. Every HF
+    tensor of a Megatron-Core model is described (none left to the gather)."""
+    import torch.distributed as dist
+
+    from p2psync.adapters.megatron import MegatronSource
+
+    model = megatron_model(case, hf_config(case.arch, case.variant))
+    load_hf(model, hf, case.arch)
+    vocab = hf["model.embed_tokens.weight"].shape[0]
+    source = MegatronSource(model, case.arch, vocab_size=vocab if case.vocab_pad else None)
+    specs = source.param_specs()
+    shards = source.local_shards([s.name for s in specs])
+    errors = [f"{s.name}: not described (left to the gather)" for s in specs if s.name not in shards]
+    mine = {name: (shard.ranges, shard.data.clone()) for name, shard in shards.items()}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    group = source.sender_group().ranks
+    names = [s.name for s in specs]
+    gathered = {n: t for i in range(0, len(names), 5) for n, t in source.gather(names[i : i + 5]).items()}
+    for spec in specs:
+        placed = torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype)).view(-1)
+        held = torch.zeros(placed.numel(), dtype=torch.int64)
+        for rank in group:
+            ranges, data = everyone[rank].get(spec.name, ((), None))
+            offset = 0
+            for start, end in ranges:
+                placed[start:end] = data[offset : offset + end - start]
+                held[start:end] += 1
+                offset += end - start
+            if data is not None and offset != data.numel():
+                errors.append(f"{spec.name}: rank {rank}'s data has {data.numel()} elements, its ranges {offset}")
+        if not bool((held == 1).all()):
+            errors.append(f"{spec.name}: elements held {sorted(set(held.tolist()))} times across the sender group")
+        if not torch.equal(placed.view(spec.shape), gathered[spec.name]):
+            errors.append(f"{spec.name}: the placed local shards differ from the gathered tensor")
+        if not torch.equal(placed.view(spec.shape), hf[spec.name]):
+            errors.append(f"{spec.name}: the placed local shards differ from the HF tensor")
+    return [f"rank {dist.get_rank()}: {e}" for e in errors]
+
+
 def check_forward(case: Case, hf: dict[str, torch.Tensor]) -> list[str]:
     """Megatron's logits with the weights placed by the name table equal transformers' (to float
     rounding): the table is right in meaning, not only consistent with `load_hf`, its inverse.
