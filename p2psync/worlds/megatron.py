@@ -169,11 +169,10 @@ def load_hf(model: Any, hf: dict[str, torch.Tensor], arch: str) -> None:
             param.copy_(shard)
 
 
-def bridge_deepseek_registry() -> Any:
-    """Megatron-Bridge's own DeepSeek mapping registry (`deepseek/common.py`, the one that needs no
-    model bridge class). Bridge's package imports Transformer Engine (`peft/lora_layers.py`) though
-    its mappings do not: where TE does not import, Bridge's mapping modules are loaded without the
-    package `__init__`s."""
+def bridge_mapping_modules() -> None:
+    """Make Megatron-Bridge's mapping modules importable. Bridge's package imports Transformer
+    Engine (`peft/lora_layers.py`) though its mappings do not: where TE does not import, they are
+    loaded without the package `__init__`s."""
     import importlib.util
     import sys
     import types
@@ -188,6 +187,12 @@ def bridge_deepseek_registry() -> Any:
             module = types.ModuleType(f"megatron.bridge{package}")
             module.__path__ = [root + package.replace(".", "/")]
             sys.modules[module.__name__] = module
+
+
+def bridge_deepseek_registry() -> Any:
+    """Megatron-Bridge's own DeepSeek mapping registry (`deepseek/common.py`, the one that needs no
+    model bridge class)."""
+    bridge_mapping_modules()
     from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
     from megatron.bridge.models.deepseek.common import get_common_mapping_list
 

@@ -91,7 +91,8 @@ class TestToTorch(RoundTripTests):
         return worlds.round_trip(trainer, "torch", transport, device)
 
 
-WAYS = way_rows(TRANSPORTS)
+#: Megatron-Bridge gather-free over one transport (environment bridge: its gathering rows run three).
+WAYS = way_rows(TRANSPORTS) + [("megatron-bridge", "gather-free", "mooncake")]
 
 
 @pytest.mark.slow
@@ -101,7 +102,8 @@ class TestWaysToTorch(RoundTripTests):
     """The session's other ways of updating, oracles and generation as above: gather-free
     (each trainer rank writes its own shards' part straight into the engines' parameters: FSDP2's
     rows; Megatron-Core TP 2's column and row splits, fused QKV and gate/up parts, vocabulary
-    rows) and delta (FSDP2: after a full first update, only what changed)."""
+    rows; Megatron-Bridge TP 2 x PP 2 where its mappings are those conversions) and delta
+    (FSDP2: after a full first update, only what changed)."""
 
     conformance = {"engine": "torch"}
 

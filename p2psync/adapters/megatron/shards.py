@@ -1,5 +1,5 @@
-"""Where a rank's shard of one Megatron tensor lands in the HF tensors it becomes: pure index
-arithmetic, no tensors, no collectives, for gather-free sends.
+"""Where a rank's shard of one Megatron tensor lands in the HF tensors it becomes, and which
+rank claims a part that several hold: index arithmetic, no collectives, for gather-free sends.
 
 It describes, in closed form, the same conversion that `convert.unshard` and `convert.split`
 compute on gathered tensors (and that the tests check it against): TP pieces along
@@ -14,9 +14,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from math import prod
+from typing import TYPE_CHECKING
 
 from .convert import Heads
 from .names import Split
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,26 @@ class Placed:
     @staticmethod
     def nothing() -> Placed:
         return Placed((), ())
+
+    def values(self, local: torch.Tensor) -> torch.Tensor:
+        """This part's values from the rank's local tensor: a view where they are one slice of it,
+        a copy where they are several (the q, k or v rows of a fused QKV shard)."""
+        import torch
+
+        flat = local.reshape(-1)
+        parts = [flat[start : start + n] for start, n in self.slices]
+        return parts[0] if len(parts) == 1 else torch.cat(parts) if parts else flat[:0]
+
+
+def claims(index: int, split: bool, tp_rank: int, tp_size: int, replica: int, replicas: int) -> bool:
+    """Whether this rank claims its copy of the sender group's `index`-th tensor, which
+    `replicas` ranks (DP x CP, or expert DP) hold alike per TP rank, and, where TP does not
+    split it (`split` False), every TP rank of each replica too. The `index`-th tensor goes
+    to copy `index` mod their number: the same answer on every rank, exactly one claimer
+    per part, and the writes spread over every rank instead of one replica's."""
+    if split:
+        return replica == index % replicas
+    return (replica, tp_rank) == divmod(index % (replicas * tp_size), tp_size)
 
 
 def place(

@@ -10,8 +10,8 @@ QKV per query group, stacked gate/up, the vocabulary padding dropped, whole expe
 rank, expert TP). The stage is the sender group, so every element must be claimed by exactly
 one of its ranks: a tensor held alike by several ranks (DP and CP replicas, and TP ranks for
 a tensor TP does not split) is claimed by one of them, chosen round-robin by the tensor's
-position in the stage (`_claims`), so that the writes spread over every rank of the stage
-instead of leaving the DP replicas idle; the others claim nothing of it.
+position in the stage, so that the writes spread over every rank of the stage
+instead of leaving the DP replicas idle (`shards.claims`); the others claim nothing of it.
 
 Gathering, per bucket:
 - non-expert tensors: all-gather over the TP group along `partition_dim`,
@@ -37,7 +37,7 @@ from ...core.source import LocalShard, TrainerSource
 from ...core.types import ParamSpec, SenderGroup, numel
 from .convert import Heads, split, unshard
 from .names import Rule, canonical, table
-from .shards import Placed, Sharding, place
+from .shards import Placed, Sharding, claims, place
 
 if TYPE_CHECKING:
     import torch
@@ -205,57 +205,36 @@ class MegatronSource(TrainerSource):
 
     def local_shards(self, names: Sequence[str]) -> dict[str, LocalShard]:
         """This rank's part of each HF tensor of `names` that `shards.place` describes (the
-        rest is gathered): views of its shard where the part is one slice of it, copies
-        where it is several (the q, k or v rows of a fused QKV shard)."""
-        import torch
-
+        rest is gathered)."""
         if self._placed is None:
             self._placed = self._placements()
         out: dict[str, LocalShard] = {}
-        flats: dict[int, torch.Tensor] = {}
         for name in names:
-            if name not in self._placed:
-                continue
-            entry, placed = self._placed[name]
-            flat = flats.setdefault(id(entry), entry.tensor.detach().reshape(-1))
-            parts = [flat[start : start + n] for start, n in placed.slices]
-            data = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else flat[:0]
-            out[name] = LocalShard(placed.ranges, data)
+            if name in self._placed:
+                entry, placed = self._placed[name]
+                out[name] = LocalShard(placed.ranges, placed.values(entry.tensor.detach()))
         return out
 
     def _placements(self) -> dict[str, tuple[_Entry, Placed]]:
-        """Per describable HF tensor, its entry and what this rank claims of it."""
+        """Per describable HF tensor, its entry and what this rank claims of it: an expert only
+        on its EP rank's ranks, any part by one of the ranks holding it alike (`shards.claims`)."""
         import torch.distributed as dist
 
         rows = {s.name: s.shape[0] if s.shape else 0 for s in self._specs}
-        out = {}
+        out: dict[str, tuple[_Entry, Placed]] = {}
         for index, entry in enumerate(self._entries):
-            sharding, tp = Sharding(), self._grids[entry.owner is not None][0]
+            sharding, (tp, replicas) = Sharding(), self._grids[entry.owner is not None]
             if getattr(entry.tensor, "tensor_model_parallel", False) and dist.get_world_size(tp) > 1:
                 sharding = Sharding(*entry.partition, dist.get_world_size(tp), dist.get_rank(tp))
             placed = place(tuple(entry.tensor.shape), sharding, entry.rule.split, self._heads, [rows[n] for n in entry.hf])
             if placed is None:
                 continue
-            if not self._claims(index, entry, sharding.size > 1):
-                placed = [Placed.nothing()] * len(placed)
-            out.update((name, (entry, p)) for name, p in zip(entry.hf, placed))
+            mine = entry.owner in (None, self._ep_rank) and claims(
+                index, sharding.size > 1, dist.get_rank(tp), dist.get_world_size(tp),
+                dist.get_rank(replicas), dist.get_world_size(replicas),
+            )
+            out.update((name, (entry, p if mine else Placed.nothing())) for name, p in zip(entry.hf, placed))
         return out
-
-    def _claims(self, index: int, entry: _Entry, split: bool) -> bool:
-        """Whether this rank claims its copy of the stage's `index`-th tensor. An expert is
-        held only by its EP rank's ranks. Among the ranks holding the same part (the replicas;
-        for a tensor TP does not split, also every TP rank of each), the `index`-th tensor goes
-        to copy `index` mod their number: deterministic, the same on every rank, and spread."""
-        import torch.distributed as dist
-
-        if entry.owner is not None and entry.owner != self._ep_rank:
-            return False
-        tp, replicas = self._grids[entry.owner is not None]
-        tp_rank, tp_size = dist.get_rank(tp), dist.get_world_size(tp)
-        replica, copies = dist.get_rank(replicas), dist.get_world_size(replicas)
-        if split:
-            return replica == index % copies
-        return (replica, tp_rank) == divmod(index % (copies * tp_size), tp_size)
 
     def _share_experts(self, names: list[str], out: dict[str, torch.Tensor]) -> None:
         """Every EP rank broadcasts the experts it holds, one flat tensor per dtype."""
