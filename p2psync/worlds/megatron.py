@@ -154,7 +154,8 @@ def load_hf(model: Any, hf: dict[str, torch.Tensor], arch: str) -> None:
         if not getattr(param, "tensor_model_parallel", False):
             rank, size = 0, 1
         if canon.name in _VOCAB_PARAMS:  # Megatron's padding rows: zeros
-            parts = [torch.cat([parts[0], parts[0].new_zeros(param.shape[0] * size - parts[0].shape[0], *parts[0].shape[1:])])]
+            pad = param.shape[0] * size - parts[0].shape[0]
+            parts = [torch.cat([parts[0], parts[0].new_zeros(pad, *parts[0].shape[1:])])]
         dim = getattr(param, "partition_dim", 0)
         if rule.split is Split.GATE_UP:  # stride 2: each shard is [gate_r; up_r]
             shard = torch.cat([p.chunk(size, 0)[rank] for p in parts], 0)

@@ -208,7 +208,10 @@ def bridge_qwen3_registry() -> Any:
 
 
 #: Per architecture, the Megatron-Bridge mapping registry its Bridge checks convert with.
-BRIDGE_REGISTRIES: dict[str, Callable[[], Any]] = {"deepseek_v3": bridge_deepseek_registry, "qwen3": bridge_qwen3_registry}
+BRIDGE_REGISTRIES: dict[str, Callable[[], Any]] = {
+    "deepseek_v3": bridge_deepseek_registry,
+    "qwen3": bridge_qwen3_registry,
+}
 
 
 def check_bridge(case: Case, hf: dict[str, torch.Tensor]) -> list[str]:

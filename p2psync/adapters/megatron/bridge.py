@@ -171,7 +171,8 @@ class BridgeSource(TrainerSource):
             dtype = str(param.dtype).removeprefix("torch.")
             if any(n not in specs or specs[n].dtype != dtype for n in names):
                 continue
-            placed = place(tuple(param.shape), sharding, how, heads, [specs[n].shape[0] if specs[n].shape else 0 for n in names])
+            rows = [specs[n].shape[0] if specs[n].shape else 0 for n in names]
+            placed = place(tuple(param.shape), sharding, how, heads, rows)
             if placed is None:
                 continue
             mine = claims(index, sharding.size > 1, dist.get_rank(tp), dist.get_world_size(tp),
@@ -194,11 +195,13 @@ def describe(mapping: Any, param: torch.Tensor, module: Any, config: Any) -> _De
     column = Sharding(0, 1, size, mapping.tp_rank) if size > 1 else Sharding()
     kind = type(mapping)
     if kind is pm.QKVMapping:
-        if getattr(config, "attention_output_gate", False) or mapping._tp_mapping._detect_parallelism_type(module) != "column":
+        gated = getattr(config, "attention_output_gate", False)
+        if gated or mapping._tp_mapping._detect_parallelism_type(module) != "column":
             return None
         return tuple(mapping.hf_param[p] for p in "qkv"), column, Split.QKV
     if kind is pm.GatedMLPMapping:  # each shard is [gate_r; up_r]: stride 2
-        return (mapping.hf_param["gate"], mapping.hf_param["up"]), Sharding(0, 2, size, mapping.tp_rank) if size > 1 else column, Split.GATE_UP
+        gate_up = Sharding(0, 2, size, mapping.tp_rank) if size > 1 else column
+        return (mapping.hf_param["gate"], mapping.hf_param["up"]), gate_up, Split.GATE_UP
     if kind is pm.AutoMapping and mapping.permute_dims is None:
         parallel = mapping._detect_parallelism_type(module)
     else:

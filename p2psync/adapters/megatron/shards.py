@@ -82,7 +82,9 @@ def place(
     if sharding.dim == 1:
         return _columns(shape, sharding, rows) if how is Split.COPY and len(shape) == 2 else None
     full = shape[0] * sharding.size
-    if how is Split.QKV and (heads is None or full != heads.groups * (heads.heads // heads.groups + 2) * heads.head_dim):
+    if how is Split.QKV and (
+        heads is None or heads.heads % heads.groups or full != (heads.heads + 2 * heads.groups) * heads.head_dim
+    ):
         return None
     if how is Split.GATE_UP and full % 2:
         return None

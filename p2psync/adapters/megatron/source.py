@@ -226,7 +226,8 @@ class MegatronSource(TrainerSource):
             sharding, (tp, replicas) = Sharding(), self._grids[entry.owner is not None]
             if getattr(entry.tensor, "tensor_model_parallel", False) and dist.get_world_size(tp) > 1:
                 sharding = Sharding(*entry.partition, dist.get_world_size(tp), dist.get_rank(tp))
-            placed = place(tuple(entry.tensor.shape), sharding, entry.rule.split, self._heads, [rows[n] for n in entry.hf])
+            kept = [rows[n] for n in entry.hf]
+            placed = place(tuple(entry.tensor.shape), sharding, entry.rule.split, self._heads, kept)
             if placed is None:
                 continue
             mine = entry.owner in (None, self._ep_rank) and claims(
