@@ -13,25 +13,33 @@ from .copymap import Block
 
 def block_runs(param: str, blocks: Sequence[Block], held: Mapping[str, Sequence[tuple[int, int]]]) -> list[CopyRun]:
     """The copies of `param`'s `blocks` whose source elements lie in `held` (per HF tensor,
-    flat element ranges [start, end)), clipped to them, merged where both sides continue."""
+    flat element ranges [start, end), disjoint), clipped to them, merged where both sides
+    continue. Vectorized over a block's rows and the held ranges: a row-split shard holds one
+    range per row, thousands per tensor."""
     dst_parts, src_parts, len_parts, names = [], [], [], []
+    spans = {name: torch.tensor(sorted(ranges), dtype=torch.int64).reshape(-1, 2) for name, ranges in held.items()}
     for b in blocks:
-        if b.source is None:
+        if b.source is None or b.source not in spans:
             continue
         rows, n = (b.sizes[0], b.sizes[1]) if len(b.sizes) == 2 else (1, b.sizes[0])
         step_d, step_s = (b.dst_strides[0], b.src_strides[0]) if len(b.sizes) == 2 else (0, 0)
         index = torch.arange(rows, dtype=torch.int64)
         src = b.src_offset + index * step_s
         dst = b.dst_offset + index * step_d
-        for start, end in held.get(b.source, ()):
-            lo = torch.clamp(src, min=start)
-            hi = torch.clamp(src + n, max=end)
-            keep = lo < hi
-            if keep.any():
-                dst_parts.append((dst + (lo - src))[keep])
-                src_parts.append(lo[keep])
-                len_parts.append((hi - lo)[keep])
-                names += [b.source] * int(keep.sum())
+        starts, ends = spans[b.source][:, 0].contiguous(), spans[b.source][:, 1].contiguous()
+        first = torch.searchsorted(ends, src, right=True)  # the first range ending after a row starts
+        last = torch.searchsorted(starts, src + n)  # past the last range starting before it ends
+        counts = (last - first).clamp(min=0)
+        if not int(counts.sum()):
+            continue
+        row = torch.repeat_interleave(torch.arange(rows), counts)
+        span = first[row] + torch.arange(len(row)) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        lo = torch.maximum(src[row], starts[span])
+        hi = torch.minimum(src[row] + n, ends[span])
+        dst_parts.append(dst[row] + (lo - src[row]))
+        src_parts.append(lo)
+        len_parts.append(hi - lo)
+        names += [b.source] * len(row)
     if not dst_parts:
         return []
     dst, src, length = torch.cat(dst_parts), torch.cat(src_parts), torch.cat(len_parts)

@@ -26,11 +26,13 @@ class Case:
     ep: int = 1
     etp: int = 1
     variant: str = ""  # a name for a changed config (the tests' VARIANTS)
+    vocab_pad: int = 0  # rows Megatron's vocabulary has beyond the HF one (its padding)
 
     @property
     def id(self) -> str:
         arch = f"{self.arch}-{self.variant}" if self.variant else self.arch
-        return f"{arch}-tp{self.tp}-pp{self.pp}-ep{self.ep}-etp{self.etp}"
+        pad = f"-pad{self.vocab_pad}" if self.vocab_pad else ""
+        return f"{arch}-tp{self.tp}-pp{self.pp}-ep{self.ep}-etp{self.etp}{pad}"
 
 
 def hide_cuda_only_kernels() -> None:
@@ -86,7 +88,7 @@ def megatron_model(case: Case, hf: Mapping[str, Any]) -> Any:
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     with mla_on_cpu(spec) if mla else nullcontext():
         return GPTModel(
-            config, spec, vocab_size=hf["vocab_size"], max_sequence_length=256,
+            config, spec, vocab_size=hf["vocab_size"] + case.vocab_pad, max_sequence_length=256,
             pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
             share_embeddings_and_output_weights=False, position_embedding_type="rope",
         )
@@ -124,6 +126,10 @@ def mla_on_cpu(spec: Any) -> Iterator[None]:
             yield
 
 
+#: Megatron parameters whose rows are the (padded) vocabulary.
+_VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
 def load_hf(model: Any, hf: dict[str, torch.Tensor], arch: str) -> None:
     """Write HF tensors into this rank's Megatron shards (the inverse of the source)."""
     from megatron.core import parallel_state as ps
@@ -147,6 +153,9 @@ def load_hf(model: Any, hf: dict[str, torch.Tensor], arch: str) -> None:
         parts = [hf[t.format(layer=layer, expert=expert)] for t in rule.hf]
         if not getattr(param, "tensor_model_parallel", False):
             rank, size = 0, 1
+        if canon.name in _VOCAB_PARAMS:  # Megatron's padding rows: zeros
+            pad = param.shape[0] * size - parts[0].shape[0]
+            parts = [torch.cat([parts[0], parts[0].new_zeros(pad, *parts[0].shape[1:])])]
         dim = getattr(param, "partition_dim", 0)
         if rule.split is Split.GATE_UP:  # stride 2: each shard is [gate_r; up_r]
             shard = torch.cat([p.chunk(size, 0)[rank] for p in parts], 0)
@@ -161,11 +170,10 @@ def load_hf(model: Any, hf: dict[str, torch.Tensor], arch: str) -> None:
             param.copy_(shard)
 
 
-def bridge_deepseek_registry() -> Any:
-    """Megatron-Bridge's own DeepSeek mapping registry (`deepseek/common.py`, the one that needs no
-    model bridge class). Bridge's package imports Transformer Engine (`peft/lora_layers.py`) though
-    its mappings do not: where TE does not import, Bridge's mapping modules are loaded without the
-    package `__init__`s."""
+def bridge_mapping_modules() -> None:
+    """Make Megatron-Bridge's mapping modules importable. Bridge's package imports Transformer
+    Engine (`peft/lora_layers.py`) though its mappings do not: where TE does not import, they are
+    loaded without the package `__init__`s."""
     import importlib.util
     import sys
     import types
@@ -180,6 +188,12 @@ def bridge_deepseek_registry() -> Any:
             module = types.ModuleType(f"megatron.bridge{package}")
             module.__path__ = [root + package.replace(".", "/")]
             sys.modules[module.__name__] = module
+
+
+def bridge_deepseek_registry() -> Any:
+    """Megatron-Bridge's own DeepSeek mapping registry (`deepseek/common.py`, the one that needs no
+    model bridge class)."""
+    bridge_mapping_modules()
     from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
     from megatron.bridge.models.deepseek.common import get_common_mapping_list
 

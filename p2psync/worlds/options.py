@@ -97,8 +97,9 @@ class RunResult:
     reports: list[UpdateReport] = field(default_factory=list)
     generations: list[dict[str, list[int]]] = field(default_factory=list)
     buckets: int = 0
-    #: Bytes of one update trainer rank 0 sent without a gather (`Session.gather_free_bytes`).
-    gather_free_bytes: int = 0
+    #: Bytes of one update trainer rank 0 sent without a gather, and produced from gathered
+    #: tensors (`SessionStats.gather_free_bytes`).
+    gather_free_bytes: tuple[int, int] = (0, 0)
     folder: str = ""
     meaning: str = ""
     error: str = ""

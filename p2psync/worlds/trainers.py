@@ -128,7 +128,7 @@ TRAINERS: dict[str, Callable[[int, Any, int], TrainerRank]] = {
 
 class Connection(Protocol):
     bucket_count: int
-    gather_free_bytes: int
+    gather_free_bytes: tuple[int, int]
 
     def update(self, version: str) -> UpdateReport: ...
 
@@ -171,7 +171,7 @@ class SessionConnection:
         )
         self.session.connect(engine_ids(opts))
         self.bucket_count = self.session.stats().bucket_count
-        self.gather_free_bytes = self.session.stats().gather_free_bytes[0]
+        self.gather_free_bytes = self.session.stats().gather_free_bytes
         self.bar = None
         if trainer.rank == 0 and opts.progress:
             from tqdm import tqdm
@@ -245,7 +245,7 @@ class VllmConnection:
         )
         self.sync = WeightTransferTrainerFactory.trainer_init(init, client=clients, source=trainer.source)
         self.bucket_count = self.sync.session.stats().bucket_count
-        self.gather_free_bytes = self.sync.session.stats().gather_free_bytes[0]
+        self.gather_free_bytes = self.sync.session.stats().gather_free_bytes
 
     def update(self, version: str) -> UpdateReport:
         self.sync.send_weights(version)

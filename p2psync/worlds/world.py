@@ -116,7 +116,11 @@ class World:
             check_reports(result, self.opts)
             way = split_kind(kind)[1]
             if way == "gather-free":
-                assert result.gather_free_bytes > 0, f"{kind} -> {self.opts.engine}: nothing was sent gather-free"
+                free, gathered = result.gather_free_bytes  # the worlds' engines only copy: nothing to gather
+                assert free > 0 and gathered == 0, (
+                    f"{kind} -> {self.opts.engine}: {free} bytes sent gather-free, {gathered} gathered; "
+                    f"{result.reports[0].degraded if result.reports else ''}"
+                )
             else:
                 assert result.buckets > 1, "the run must span several buckets"
             if way == "delta":  # the first update is full; every later one a delta to every rank

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 from p2psync.worlds import ModelSpec, WorldOptions
@@ -27,6 +29,15 @@ BRIDGE_MODEL = ModelSpec("deepseek_v3", dict(
     qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, n_shared_experts=1,
     num_experts_per_tok=2, n_group=1, topk_group=1, routed_scaling_factor=2.5, tie_word_embeddings=False,
 ))
+
+
+def way_rows(megatron_transports: Sequence[str]) -> list[tuple[str, str, str]]:
+    """(trainer, way, transport) of the rows that update another way than the gathering one:
+    FSDP2 gather-free and delta over every transport, Megatron-Core (TP 2) gather-free over
+    `megatron_transports` (an engine whose Megatron rows are costly runs one: its gathering
+    rows run every transport)."""
+    fsdp2 = [("fsdp2", way, t) for way in ("gather-free", "delta") for t in TRANSPORTS]
+    return fsdp2 + [("megatron", "gather-free", t) for t in megatron_transports]
 
 
 def usable(kind: str, name: str) -> None:

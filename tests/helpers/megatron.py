@@ -12,7 +12,14 @@ from typing import Any
 import torch
 
 from p2psync.worlds import TINY_QWEN3, ModelSpec, free_port
-from p2psync.worlds.megatron import Case, bridge_deepseek_registry, load_hf, logits_differ, megatron_model
+from p2psync.worlds.megatron import (
+    Case,
+    bridge_deepseek_registry,
+    bridge_mapping_modules,
+    load_hf,
+    logits_differ,
+    megatron_model,
+)
 
 HF_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2": dict(
@@ -113,6 +120,55 @@ def compare(source: Any, hf: dict[str, torch.Tensor]) -> list[str]:
     return errors
 
 
+def check_local_shards(case: Case, hf: dict[str, torch.Tensor]) -> list[str]:
+    """Build `case` on this rank and check MegatronSource's local shards (`shard_errors`)."""
+    import torch.distributed as dist
+
+    from p2psync.adapters.megatron import MegatronSource
+
+    model = megatron_model(case, hf_config(case.arch, case.variant))
+    load_hf(model, hf, case.arch)
+    vocab = hf["model.embed_tokens.weight"].shape[0]
+    source = MegatronSource(model, case.arch, vocab_size=vocab if case.vocab_pad else None)
+    return [f"rank {dist.get_rank()}: {e}" for e in shard_errors(source, hf)]
+
+
+def shard_errors(source: Any, hf: dict[str, torch.Tensor]) -> list[str]:
+    """The local shards of every rank of the sender group of `source`, placed by their ranges into
+    zeros, must give what its gather gives, and the HF checkpoint tensors `hf`; their ranges must
+    cover every element exactly once; and every HF tensor must be described (none left to the
+    gather). Collective over the world."""
+    import torch.distributed as dist
+
+    specs = source.param_specs()
+    shards = source.local_shards([s.name for s in specs])
+    errors = [f"{s.name}: not described (left to the gather)" for s in specs if s.name not in shards]
+    mine = {name: (shard.ranges, shard.data.clone()) for name, shard in shards.items()}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    names = [s.name for s in specs]
+    gathered = {n: t for i in range(0, len(names), 5) for n, t in source.gather(names[i : i + 5]).items()}
+    for spec in specs:
+        placed = torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype)).view(-1)
+        held = torch.zeros(placed.numel(), dtype=torch.int64)
+        for rank in source.sender_group().ranks:
+            ranges, data = everyone[rank].get(spec.name, ((), None))
+            offset = 0
+            for start, end in ranges:
+                placed[start:end] = data[offset : offset + end - start]
+                held[start:end] += 1
+                offset += end - start
+            if data is not None and offset != data.numel():
+                errors.append(f"{spec.name}: rank {rank}'s data has {data.numel()} elements, its ranges {offset}")
+        if not bool((held == 1).all()):
+            errors.append(f"{spec.name}: elements held {sorted(set(held.tolist()))} times across the sender group")
+        if not torch.equal(placed.view(spec.shape), gathered[spec.name]):
+            errors.append(f"{spec.name}: the placed local shards differ from the gathered tensor")
+        if not torch.equal(placed.view(spec.shape), hf[spec.name]):
+            errors.append(f"{spec.name}: the placed local shards differ from the HF tensor")
+    return errors
+
+
 def check_forward(case: Case, hf: dict[str, torch.Tensor]) -> list[str]:
     """Megatron's logits with the weights placed by the name table equal transformers' (to float
     rounding): the table is right in meaning, not only consistent with `load_hf`, its inverse.
@@ -123,19 +179,56 @@ def check_forward(case: Case, hf: dict[str, torch.Tensor]) -> list[str]:
     return [error] if (error := logits_differ(model, reference)) else []
 
 
+def bridge_qwen3_registry() -> Any:
+    """Megatron-Bridge's own mappings as its Qwen3 bridge composes them (`qwen/qwen3_bridge.py`:
+    `QKVMapping`, `GatedMLPMapping`, `AutoMapping`s), with the local spec's names for the norms
+    that Transformer Engine's spec fuses into the linears (that bridge names only those, and
+    importing it imports Transformer Engine)."""
+    bridge_mapping_modules()
+    from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping, GatedMLPMapping, QKVMapping
+
+    layer, hf = "decoder.layers.*.", "model.layers.*."
+    auto = {
+        "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+        "output_layer.weight": "lm_head.weight",
+        "decoder.final_layernorm.weight": "model.norm.weight",
+        layer + "input_layernorm.weight": hf + "input_layernorm.weight",
+        layer + "pre_mlp_layernorm.weight": hf + "post_attention_layernorm.weight",
+        layer + "self_attention.q_layernorm.weight": hf + "self_attn.q_norm.weight",
+        layer + "self_attention.k_layernorm.weight": hf + "self_attn.k_norm.weight",
+        layer + "self_attention.linear_proj.weight": hf + "self_attn.o_proj.weight",
+        layer + "mlp.linear_fc2.weight": hf + "mlp.down_proj.weight",
+    }
+    return MegatronMappingRegistry(
+        *(AutoMapping(megatron_param=m, hf_param=h) for m, h in auto.items()),
+        QKVMapping(layer + "self_attention.linear_qkv.weight", *(f"{hf}self_attn.{p}_proj.weight" for p in "qkv")),
+        GatedMLPMapping(layer + "mlp.linear_fc1.weight", hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
+    )
+
+
+#: Per architecture, the Megatron-Bridge mapping registry its Bridge checks convert with.
+BRIDGE_REGISTRIES: dict[str, Callable[[], Any]] = {
+    "deepseek_v3": bridge_deepseek_registry,
+    "qwen3": bridge_qwen3_registry,
+}
+
+
 def check_bridge(case: Case, hf: dict[str, torch.Tensor]) -> list[str]:
-    """Build `case` (a DeepSeek-V3) on this rank and compare what BridgeSource yields through
-    Megatron-Bridge's own DeepSeek mappings with the HF checkpoint tensors `hf`."""
+    """Build `case` on this rank and compare what BridgeSource yields through Megatron-Bridge's
+    own mappings (`BRIDGE_REGISTRIES`) with the HF checkpoint tensors `hf`: gathered, and as
+    local shards (`shard_errors`)."""
     import torch.distributed as dist
 
     from p2psync.adapters.megatron.bridge import BridgeSource
 
     model = megatron_model(case, hf_config(case.arch, case.variant))
     load_hf(model, hf, case.arch)
-    source = BridgeSource(model, bridge_deepseek_registry())  # after the parallel state: mappings take its groups
+    source = BridgeSource(model, BRIDGE_REGISTRIES[case.arch]())  # after the parallel state: mappings take its groups
     errors = compare(source, hf)
     if {s.name for s in source.param_specs()} != set(hf):
         errors.append("the source does not yield every HF tensor on every rank")
+    errors += shard_errors(source, hf)
     return [f"rank {dist.get_rank()}: {e}" for e in errors]
 
 

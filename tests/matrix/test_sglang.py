@@ -13,7 +13,7 @@ import torch
 from p2psync.conformance import EngineCase, EngineTargetTests, RoundTripTests
 from p2psync.worlds.oracles import SGLANG_FILL
 from p2psync.core.types import TargetParam, TargetTable
-from tests.helpers.matrix import TRANSPORTS, usable
+from tests.helpers.matrix import TRANSPORTS, usable, way_rows
 
 TP, RANK = 2, 1
 
@@ -70,16 +70,20 @@ class TestToSglang(RoundTripTests):
         return worlds.round_trip(trainer, "sglang", transport)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("via", ["gather-free", "delta"])
-class TestWaysToSglang(RoundTripTests):
-    """FSDP2 with the session's other ways of updating, checked as above: gather-free (each
-    trainer rank writes the part of every sglang rank that its own rows feed, no gather) and
-    delta (after a full first update, every rank gets only what changed)."""
+WAYS = way_rows(["mooncake"])
 
-    conformance = {"engine": "sglang", "trainer": "fsdp2"}
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("trainer", "via", "transport"), WAYS, ids=["-".join(w) for w in WAYS])
+class TestWaysToSglang(RoundTripTests):
+    """The session's other ways of updating, checked as above: gather-free (each
+    trainer rank writes the part of every sglang rank that its own rows feed, no gather) and
+    delta (after a full first update, every rank gets only what changed).
+    Megatron-Core gather-free: each rank writes what its column and row splits, fused QKV and
+    gate/up parts and vocabulary rows feed."""
+
+    conformance = {"engine": "sglang"}
 
     @pytest.fixture
-    def round_trip(self, transport, via, worlds):
-        return worlds.round_trip("fsdp2", "sglang", transport, via=via)
+    def round_trip(self, trainer, via, transport, worlds):
+        return worlds.round_trip(trainer, "sglang", transport, via=via)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from p2psync.conformance import EngineCase, EngineTargetTests, RoundTripTests
-from tests.helpers.matrix import TRANSPORTS, usable
+from tests.helpers.matrix import TRANSPORTS, usable, way_rows
 
 #: Every parameter byte before vLLM's load: padding the loader leaves alone keeps it.
 FILL = 0xA5
@@ -51,16 +51,20 @@ class TestToVllm(RoundTripTests):
         return worlds.round_trip(trainer, "vllm", transport)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("via", ["gather-free", "delta"])
-class TestWaysToVllm(RoundTripTests):
-    """FSDP2 with the session's other ways of updating, through vLLM's weight-transfer flow and
-    checked as above: gather-free (each trainer rank writes the part of every vLLM rank that its
-    own rows feed) and delta (after a full first update, only what changed)."""
+WAYS = way_rows(["mooncake"])
 
-    conformance = {"engine": "vllm", "trainer": "fsdp2"}
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("trainer", "via", "transport"), WAYS, ids=["-".join(w) for w in WAYS])
+class TestWaysToVllm(RoundTripTests):
+    """The session's other ways of updating, through vLLM's weight-transfer flow and
+    checked as above: gather-free (each trainer rank writes the part of every vLLM rank that its
+    own rows feed) and delta (after a full first update, only what changed).
+    Megatron-Core gather-free: each rank writes what its column and row splits, fused QKV and
+    gate/up parts and vocabulary rows feed."""
+
+    conformance = {"engine": "vllm"}
 
     @pytest.fixture
-    def round_trip(self, transport, via, worlds):
-        return worlds.round_trip("fsdp2", "vllm", transport, via=via)
+    def round_trip(self, trainer, via, transport, worlds):
+        return worlds.round_trip(trainer, "vllm", transport, via=via)

@@ -4,6 +4,15 @@ Sender group: all ranks of one pipeline stage (tensor x context x data parallel
 ranks; the expert grid re-divides the same ranks). Each stage gathers and sends
 only its own layers, so stages never wait on each other.
 
+Gather-free (`local_shards`): each rank describes, per HF tensor, the elements its own shard
+holds after the name and layout conversion (`shards.place`: TP column and row splits, fused
+QKV per query group, stacked gate/up, the vocabulary padding dropped, whole experts per EP
+rank, expert TP). The stage is the sender group, so every element must be claimed by exactly
+one of its ranks: a tensor held alike by several ranks (DP and CP replicas, and TP ranks for
+a tensor TP does not split) is claimed by one of them, chosen round-robin by the tensor's
+position in the stage, so that the writes spread over every rank of the stage
+instead of leaving the DP replicas idle (`shards.claims`); the others claim nothing of it.
+
 Gathering, per bucket:
 - non-expert tensors: all-gather over the TP group along `partition_dim`,
   honouring `partition_stride`; every DP replica does the same, so every rank
@@ -24,10 +33,11 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING, Any
 
-from ...core.source import TrainerSource
+from ...core.source import LocalShard, TrainerSource
 from ...core.types import ParamSpec, SenderGroup, numel
 from .convert import Heads, split, unshard
 from .names import Rule, canonical, table
+from .shards import Placed, Sharding, claims, place
 
 if TYPE_CHECKING:
     import torch
@@ -95,6 +105,11 @@ class MegatronSource(TrainerSource):
         self._ep = ps.get_expert_model_parallel_group()
         self._ep_rank = ps.get_expert_model_parallel_rank()
         self._ep_ranks = dist.get_process_group_ranks(self._ep)
+        # (TP, replicas) of dense and of expert tensors: the ranks that hold each tensor alike
+        self._grids = {
+            False: (self._tp, ps.get_data_parallel_group(with_context_parallel=True)),
+            True: (self._etp, ps.get_expert_data_parallel_group()),
+        }
         stage = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
         self._group = SenderGroup(
             f"pp{ps.get_pipeline_model_parallel_rank()}", tuple(dist.get_process_group_ranks(stage)), dist.get_rank()
@@ -102,6 +117,7 @@ class MegatronSource(TrainerSource):
         self._entries = self._build(chunks, dict(rules) if rules is not None else table(architecture), architecture)
         self._by_hf = {name: e for e in self._entries for name in e.hf}
         self._specs = [spec for e in self._entries for spec in self._entry_specs(e)]
+        self._placed: dict[str, tuple[_Entry, Placed]] | None = None
 
     # -- what this stage holds ---------------------------------------------------------------
 
@@ -186,6 +202,40 @@ class MegatronSource(TrainerSource):
         shards = [torch.empty_like(tensor) for _ in range(size)]
         dist.all_gather(shards, tensor.contiguous(), group=self._etp if entry.owner is not None else self._tp)
         return unshard(shards, *entry.partition)
+
+    def local_shards(self, names: Sequence[str]) -> dict[str, LocalShard]:
+        """This rank's part of each HF tensor of `names` that `shards.place` describes (the
+        rest is gathered)."""
+        if self._placed is None:
+            self._placed = self._placements()
+        out: dict[str, LocalShard] = {}
+        for name in names:
+            if name in self._placed:
+                entry, placed = self._placed[name]
+                out[name] = LocalShard(placed.ranges, placed.values(entry.tensor.detach()))
+        return out
+
+    def _placements(self) -> dict[str, tuple[_Entry, Placed]]:
+        """Per describable HF tensor, its entry and what this rank claims of it: an expert only
+        on its EP rank's ranks, any part by one of the ranks holding it alike (`shards.claims`)."""
+        import torch.distributed as dist
+
+        rows = {s.name: s.shape[0] if s.shape else 0 for s in self._specs}
+        out: dict[str, tuple[_Entry, Placed]] = {}
+        for index, entry in enumerate(self._entries):
+            sharding, (tp, replicas) = Sharding(), self._grids[entry.owner is not None]
+            if getattr(entry.tensor, "tensor_model_parallel", False) and dist.get_world_size(tp) > 1:
+                sharding = Sharding(*entry.partition, dist.get_world_size(tp), dist.get_rank(tp))
+            kept = [rows[n] for n in entry.hf]
+            placed = place(tuple(entry.tensor.shape), sharding, entry.rule.split, self._heads, kept)
+            if placed is None:
+                continue
+            mine = entry.owner in (None, self._ep_rank) and claims(
+                index, sharding.size > 1, dist.get_rank(tp), dist.get_world_size(tp),
+                dist.get_rank(replicas), dist.get_world_size(replicas),
+            )
+            out.update((name, (entry, p if mine else Placed.nothing())) for name, p in zip(entry.hf, placed))
+        return out
 
     def _share_experts(self, names: list[str], out: dict[str, torch.Tensor]) -> None:
         """Every EP rank broadcasts the experts it holds, one flat tensor per dtype."""
