@@ -94,11 +94,12 @@ class TestToTorch(RoundTripTests):
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("via", ["gather-free", "delta"])
+@pytest.mark.parametrize("via", ["gather-free", "delta", "gather-free+delta"])
 class TestWaysToTorch(RoundTripTests):
     """FSDP2 with the session's other ways of updating, oracles and generation as above:
-    gather-free (each trainer rank writes its own rows straight into the engines' parameters)
-    and delta (after a full first update, only what changed)."""
+    gather-free (each trainer rank writes its own rows straight into the engines' parameters),
+    delta (after a full first update, only what changed) and both (each rank sends only what
+    changed of its own rows, against a baseline of just those)."""
 
     conformance = {"engine": "torch", "trainer": "fsdp2"}
 
