@@ -194,7 +194,7 @@ def check_deltas(result: RunResult, opts: WorldOptions, gather_free: bool) -> No
         assert all(ranks == list(range(opts.engine_tp)) for ranks in deltas.values()), deltas
         if gather_free:
             assert not any("sent in full" in note for note in report.degraded), report.degraded
-            assert 0 < report.changed_elements < report.compared_elements, report.format()
+            assert 0 < report.changed_elements <= report.compared_elements, report.format()  # AdamW: most change
     memory = result.delta_memory
     if gather_free and memory is not None:
         assert memory.produced_bytes <= memory.baseline_bytes, memory
