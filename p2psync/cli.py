@@ -60,6 +60,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from .bench import BenchOptions, format_report, run_bench
+    from .trainer.options import SessionOptions
 
     opts = BenchOptions(
         size=args.size or ("100m" if args.engine == "torch" else "moe"), trainers=args.trainers, engines=args.engines,
@@ -67,6 +68,10 @@ def _bench(args: argparse.Namespace) -> int:
         engine=args.engine, engine_tp=args.engine_tp, ways=tuple(args.ways or ()), engine_dtype=args.engine_dtype,
         delta_lrs=tuple(args.lr),
     )
+    if args.gather != "always" and not args.delta:
+        print("p2psync bench: --gather is for --delta (the other bench compares both ways itself)", file=sys.stderr)
+        return 2
+    opts.session = SessionOptions.of(opts.session, gather=args.gather)
     if args.delta:
         from .bench.delta import format_delta, run_delta_bench
 
@@ -140,6 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--delta", action="store_true",
                        help="delta updates against full ones and the broadcast, the trainer taking AdamW steps "
                        "(torch engines)")
+    bench.add_argument("--gather", choices=["always", "auto"], default="always",
+                       help="--delta: how the delta session sends (auto: gather-free, each rank's deltas of its own "
+                       "shards; the full update and the broadcast gather)")
     bench.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5],
                        help="--delta: the learning rates, each run in turn (default 1e-6 1e-5)")
     bench.add_argument("--raw-mib", type=int, default=512, help="size of the memcpy and raw transport measurements")

@@ -37,12 +37,15 @@ DELTA_ENGINE_DTYPE = "bfloat16"
 
 
 def _sessions(opts: BenchOptions, source: Any, rendezvous: Any) -> tuple[Session, Session]:
+    """The delta session (sending as `opts.session.gather` says) and the full one, which
+    gathers: the broadcast gathers its buckets."""
+    from ..trainer.options import SessionOptions
     from ..trainer.session import Session
 
-    def make(delta: bool) -> Session:
-        return Session(source=source, transport=opts.transport, rendezvous=rendezvous, options=opts.session, delta=delta)
+    def make(delta: bool, options: SessionOptions) -> Session:
+        return Session(source=source, transport=opts.transport, rendezvous=rendezvous, options=options, delta=delta)
 
-    return make(True), make(False)
+    return make(True, opts.session), make(False, SessionOptions.of(opts.session, gather="always"))
 
 
 def _measure(way: Way, progress: Callable[[], object]) -> dict[str, Any]:
@@ -103,7 +106,12 @@ def delta_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
                     rounds[way.name].append(measured)
         per_lr[f"{lr:g}"] = rounds
     mismatches = _verify(trainer, ways, rendezvous, ids, opts.session.transfer_timeout, rank == 0)
-    held = collectives.all_gather({"delta_bytes": delta.stats().delta_bytes, "buffer_bytes": full.stats().buffer_bytes})
+    stats = delta.stats()
+    held = collectives.all_gather({
+        "delta_bytes": stats.delta_bytes, "baseline_bytes": stats.baseline_bytes,
+        "patch_buffer_bytes": stats.patch_buffer_bytes, "gather_free_bytes": stats.gather_free_bytes[0],
+        "buffer_bytes": full.stats().buffer_bytes,
+    })
     if leader is not None:
         leader.stop(GROUP_TIMEOUT)
     for control in controls:
@@ -168,7 +176,7 @@ def summarize(raw: Mapping[str, Any], opts: BenchOptions, load: tuple[list[float
             "model": {"size": opts.size, "parameters": raw["parameters"]}, "trainers": opts.trainers,
             "engines": opts.engines, "engine": {"kind": opts.engine, "dtype": opts.engine_dtype},
             "transport": opts.transport, "updates": opts.updates, "warmup": opts.warmup,
-            "learning_rates": list(raw["per_lr"]),
+            "learning_rates": list(raw["per_lr"]), "gather": opts.session.gather,
         },
         "per_lr": out,
         "verified": not raw["mismatches"],
@@ -206,7 +214,7 @@ def format_delta(result: Mapping[str, Any]) -> str:
     lines = [
         f"delta updates: model {s['model']['size']} ({s['model']['parameters']:,} parameters), {s['trainers']} FSDP2 "
         f"trainer ranks taking AdamW steps -> {s['engines']} torch engines ({s['engine']['dtype']}) over "
-        f"{s['transport']}; median "
+        f"{s['transport']} (the delta session's gather={s.get('gather', 'always')!r}); median "
         f"of {s['updates']} updates per learning rate after {s['warmup']} warm-up; load average "
         f"{load['before'][0]:.1f} before, {load['after'][0]:.1f} after (a shared machine: compare ratios within "
         "the run)",
@@ -228,7 +236,9 @@ def format_delta(result: Mapping[str, Any]) -> str:
         ]
     for trainer, m in result["trainer_memory"].items():
         lines.append(
-            f"  {trainer} holds {m['delta_bytes'] / 1e6:.1f} MB for delta mode (baselines and patch buffers), beside "
+            f"  {trainer} holds {m['delta_bytes'] / 1e6:.1f} MB for delta mode (baselines "
+            f"{m.get('baseline_bytes', 0) / 1e6:.1f} MB, patch buffers {m.get('patch_buffer_bytes', 0) / 1e6:.1f} MB; "
+            f"it sends {m.get('gather_free_bytes', 0) / 1e6:.1f} MB of an update gather-free), beside "
             f"{m['buffer_bytes'] / 1e6:.1f} MB of transfer buffers"
         )
     verdict = "yes" if result["verified"] else f"NO: {result['mismatches']}"

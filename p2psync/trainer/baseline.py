@@ -3,8 +3,9 @@ bytes it produced in the last update and that update's number (the session's own
 count: users may reuse version names).
 
 A unit's baseline mirrors how its groups sit in the transfer buffers: each group
-has a slot of its aligned size, and a region of a group's bytes has the same
-offset in the slot as in the buffer. Baselines live in host memory, pinned when the
+(a gathered `ParamGroup`, or a rank's gather-free packing of one: `PackedSlot`) has a
+slot of its aligned size, and a region of a group's bytes has the same offset in
+the slot as in the buffer. Baselines live in host memory, pinned when the
 transfer buffers are on a device (they are copied there to be compared), and are
 allocated at the first update, unit by unit in sending order, while they fit the
 memory budget; a unit that does not fit has none, and its targets always get full
@@ -16,9 +17,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from ..core.layout import ParamGroup, aligned
+from ..core.layout import aligned
 
 if TYPE_CHECKING:
     import torch
@@ -26,9 +27,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class Slotted(Protocol):
+    """What a baseline keeps a slot of: equal keys mean the same target bytes, in the same order."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+
 @dataclass
 class _Baseline:
-    slots: dict[ParamGroup, int]
+    slots: dict[Slotted, int]
     nbytes: int
     data: torch.Tensor | None = None
     #: The update whose bytes `data` holds in full; None while unknown or being overwritten.
@@ -45,7 +53,7 @@ class BaselineStore:
     pin_memory: bool = False
     _units: dict[str, _Baseline] = field(default_factory=dict)
 
-    def configure(self, units: Mapping[str, Sequence[ParamGroup]]) -> None:
+    def configure(self, units: Mapping[str, Sequence[Slotted]]) -> None:
         """The units this sender produces now, each with its groups in sending order. A
         unit whose groups are unchanged keeps its baseline; the others start empty."""
         kept: dict[str, _Baseline] = {}
@@ -90,7 +98,7 @@ class BaselineStore:
             )
         return left_out
 
-    def slot(self, unit: str, group: ParamGroup) -> torch.Tensor | None:
+    def slot(self, unit: str, group: Slotted) -> torch.Tensor | None:
         """The baseline bytes of `group` (its slot, `group.nbytes` long), or None if the unit has none."""
         baseline = self._units[unit]
         if baseline.data is None:

@@ -16,6 +16,7 @@ from ..core.errors import ConnectError, where
 from ..core.layout import ALIGN, Layout, ParamGroup, aligned
 from ..core.types import ParamSpec, TargetId, TargetTable, numel
 from .buckets import make_buckets
+from .baseline import Slotted
 from .gatherfree import Packing, compile_packing
 from .plan import Plan, PlanTarget, build_plan, unit_of
 
@@ -27,7 +28,8 @@ HeldRanges = Mapping[str, Sequence[tuple[int, int]]]
 class UnitWrites:
     """One unit (a layout key and rank: equal bytes) and the targets this rank writes its
     bytes to: the targets the plan gave this rank, or, for gather-free parts, every target
-    of the unit (each rank writes its own part to all of them)."""
+    of the unit (each rank writes its own part to all of them). `unit` names what delta
+    mode keeps a baseline of: the layout unit, or for gather-free parts `own_shards(unit)`."""
 
     unit: str
     layout: Layout
@@ -52,12 +54,17 @@ class Compiled:
     targets: set[TargetId] = field(default_factory=set)
     #: Where this rank gathers what it was asked to send gather-free, in words.
     degraded: list[str] = field(default_factory=list)
-    #: Per unit this rank produces from gathered tensors: its targets, and its groups in
-    #: sending order (what delta mode keeps baselines of); derived from `work` once.
-    served: dict[str, tuple[list[TargetTable], list[ParamGroup]]] = field(init=False)
+    #: Which share of every target's patch area this rank's patches use: (index, count).
+    patch_share: tuple[int, int] = (0, 1)
+    #: Per unit this rank produces (gathered, and its own gather-free parts): its targets,
+    #: and its groups or packings in sending order (what delta mode keeps baselines of);
+    #: derived from `work` and `packed` once.
+    served: dict[str, tuple[list[TargetTable], list[Slotted]]] = field(init=False)
 
     def __post_init__(self) -> None:
         self.served = {}
+        for writes, packings in self.packed:
+            self.served[writes.unit] = (list(writes.targets), [p.slot for p in packings])
         for work in self.work:
             for writes, groups in work:
                 self.served.setdefault(writes.unit, (list(writes.targets), []))[1].extend(groups)
@@ -129,7 +136,7 @@ def compile_connection(
         nonempty = [p for p in packings.values() if p.nbytes]
         if nonempty:
             of_unit = tuple(t for t in every if unit_of(t.layout_key_text, t.rank) == unit)
-            packed_writes.append((UnitWrites(unit, layouts[unit], of_unit), nonempty))
+            packed_writes.append((UnitWrites(own_shards(unit), layouts[unit], of_unit), nonempty))
             targets.update(t.target for t in of_unit)
 
     served: dict[str, list[TargetTable]] = defaultdict(list)
@@ -156,7 +163,15 @@ def compile_connection(
         gather_dtypes=narrower_dtypes(sender.specs, reads),
         targets=targets,
         degraded=degraded,
+        # Gather-free, every rank may patch a target at once: each gets its own share of the area.
+        patch_share=(sender.rank, len(held)) if any(held) else (0, 1),
     )
+
+
+def own_shards(unit: str) -> str:
+    """What a rank's gather-free parts of `unit` are named by: their baseline is apart from
+    the gathered groups' (other bytes, other targets)."""
+    return f"{unit} (own shards)"
 
 
 def _gathered_instead(gathered: Mapping[str, list[ParamGroup]], layouts: Mapping[str, Layout]) -> list[str]:

@@ -96,7 +96,9 @@ class Connector:
             conn.pool = current.pool
         else:
             conn.pool = self._new_pool(need)
-        conn.patch_pool = self.mode.pool_for(compiled.served, current.patch_pool if current else None, self.transport)
+        conn.patch_pool = self.mode.pool_for(
+            compiled.served, compiled.patch_share, current.patch_pool if current else None, self.transport
+        )
         conn.open(current, self.transport, self._control_for, self.options.transfer_timeout)
         if self.rank == 0:
             check_access(conn.controls)

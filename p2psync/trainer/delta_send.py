@@ -16,16 +16,21 @@ the baseline in chunks that fit the engine's patch area; a chunk goes dense (a
 plain write into the parameter, like a full update) or sparse (its pieces staged
 into a patch buffer, written into the engine's patch area and applied by the
 engine before the next patch lands there).
+
+A unit is what one rank produces for a layout unit: its gathered groups, or its own
+gather-free parts (`compiler.own_shards`), whose baseline holds exactly the bytes this
+rank packs. As every rank of a sender group then writes patches to the same targets,
+each rank patches only its share of every patch area (`Compiled.patch_share`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from . import collectives
-from .baseline import BaselineStore
+from .baseline import BaselineStore, Slotted
 from .buffers import BufferPool, Lease
 from .options import DeltaOptions
 from ..core.delta import (
@@ -39,7 +44,7 @@ from ..core.delta import (
     piece,
     record_bytes,
 )
-from ..core.layout import ParamGroup
+from ..core.layout import ALIGN
 from ..core.types import Region, TargetId, TargetTable, dtype_size
 
 if TYPE_CHECKING:
@@ -48,8 +53,10 @@ if TYPE_CHECKING:
     from ..core.report import UpdateReport
     from ..core.transport import Transport
 
-#: Per unit a sender serves: its tables and its groups in sending order.
-Served = Mapping[str, tuple[Sequence[TargetTable], Sequence[ParamGroup]]]
+#: Per unit a sender serves: its tables and its groups (or packings) in sending order.
+Served = Mapping[str, tuple[Sequence[TargetTable], Sequence[Slotted]]]
+#: Which share of every patch area a sender patches: (its index, how many shares).
+Share = tuple[int, int]
 
 
 @dataclass
@@ -71,7 +78,6 @@ class DeltaStats:
     changed: int = 0
     compared: int = 0
     over_budget: int = 0  # units without a baseline: the memory budget is too small
-    whole_bytes: int = 0  # bytes of gather-free groups, which have no baseline, sent in full
 
 
 class DeltaSender:
@@ -103,19 +109,23 @@ class DeltaSender:
         self._held: dict[TargetId, int] = {}
         self._served: dict[str, list[TargetTable]] = {}
         self._elem: dict[str, dict[str, int]] = {}
-        self._delta: set[TargetId] = set()
+        self._delta: set[tuple[str, TargetId]] = set()  # (unit, target): a target may get two units
         self._open: StagedPatch | None = None
         self._ready: list[StagedPatch] = []
         self._updates = 0
-        self.deltas_due = False
+        self._share: Share = (0, 1)
 
     # -- connect ---------------------------------------------------------------------------
 
-    def pool_for(self, served: Served, current: BufferPool | None, transport: Transport) -> BufferPool | None:
+    def pool_for(
+        self, served: Served, share: Share, current: BufferPool | None, transport: Transport
+    ) -> BufferPool | None:
         """Patch buffers for the units `served` (see `connect`): `current` if it fits the
-        smallest patch area among their targets, else new ones (None: no target has one).
-        Changes nothing here, so that a connect refused later leaves this sender as it was."""
-        areas = [t.patch_area[1] for unit_tables, _ in served.values() for t in unit_tables if t.patch_area]
+        smallest `share` of a patch area among their targets, else new ones (None: no
+        target has one). Changes nothing here, so that a connect refused later leaves this
+        sender as it was."""
+        areas = [_share_bytes(t.patch_area[1], share) for unit_tables, _ in served.values() for t in unit_tables
+                 if t.patch_area]
         capacity = min(areas, default=0)
         if not capacity:
             return None
@@ -123,10 +133,13 @@ class DeltaSender:
             return current
         return BufferPool(capacity, transport, device=self.device, pin_memory=self.pin_memory)
 
-    def connect(self, tables: Mapping[str, Sequence[TargetTable]], served: Served, pool: BufferPool | None) -> None:
+    def connect(
+        self, tables: Mapping[str, Sequence[TargetTable]], served: Served, share: Share, pool: BufferPool | None
+    ) -> None:
         """Every engine's tables, per unit this rank serves its tables and groups in
-        sending order, and the patch buffers (from `pool_for`; the connection owns them).
-        A target whose table changed is no longer known to hold anything."""
+        sending order, its share of the patch areas, and the patch buffers (from
+        `pool_for`; the connection owns them). A target whose table changed is no longer
+        known to hold anything."""
         current = {t.target: t for engine_tables in tables.values() for t in engine_tables}
         for target in list(self._held):
             if target not in current or current[target] != self._tables.get(target):
@@ -138,6 +151,7 @@ class DeltaSender:
             for unit, (unit_tables, _) in served.items()
         }
         self.store.configure({unit: list(groups) for unit, (_, groups) in served.items()})
+        self._share = share
         self._pool = pool
 
     @property
@@ -151,22 +165,22 @@ class DeltaSender:
         """Decide which served targets get a delta in this update (before any baseline changes)."""
         due = self.options.full_every > 0 and self._updates % self.options.full_every == 0
         self._updates += 1
-        self.deltas_due = not (full or due) and self._updates > 1  # else every target gets a full update anyway
         self._delta = set()
         if not (full or due) and self._pool is not None:
             for unit, unit_tables in self._served.items():
                 base = self.store.update_of(unit)
                 for table in unit_tables:
                     if table.patch_area is not None and base is not None and self._held.get(table.target) == base:
-                        self._delta.add(table.target)
+                        self._delta.add((unit, table.target))
         left_out = self.store.start_update()
-        self.stats = DeltaStats(targets=sorted(self._delta, key=str), over_budget=len(left_out))
+        targets = sorted({target for _, target in self._delta}, key=str)
+        self.stats = DeltaStats(targets=targets, over_budget=len(left_out))
 
-    def is_delta(self, target: TargetId) -> bool:
-        return target in self._delta
+    def is_delta(self, unit: str, target: TargetId) -> bool:
+        return (unit, target) in self._delta
 
     def diff(
-        self, unit: str, group: ParamGroup, out: torch.Tensor, written: Sequence[Region], offset: int
+        self, unit: str, group: Slotted, out: torch.Tensor, written: Sequence[Region], offset: int
     ) -> list[Region]:
         """Compare `group`'s bytes in `out` (regions `written`, whose buffer offsets are
         `offset` past `out`'s start) with the baseline, stage the sparse chunks and
@@ -176,7 +190,7 @@ class DeltaSender:
         base = self.store.slot(unit, group)
         if base is None:
             return list(written)
-        if not any(t.target in self._delta for t in self._served[unit]):
+        if not any((unit, t.target) in self._delta for t in self._served[unit]):
             base.copy_(out[: group.nbytes])
             return []
         dense: list[Region] = []
@@ -241,7 +255,17 @@ class DeltaSender:
 
     def targets_of(self, patch: StagedPatch) -> list[TargetTable]:
         """The delta targets of the patch's unit."""
-        return [t for t in self._served[patch.unit] if t.target in self._delta]
+        return [t for t in self._served[patch.unit] if (patch.unit, t.target) in self._delta]
+
+    def placed(self, patch: StagedPatch, table: TargetTable) -> tuple[int, list[PatchRecord]]:
+        """Where in `table`'s patch area this rank writes `patch` (its share's address), and
+        the records as the engine reads them there."""
+        assert table.patch_area is not None, "a delta target has a patch area"
+        at = self._share[0] * _share_bytes(table.patch_area[1], self._share)
+        if not at:
+            return table.patch_area[0], patch.records
+        records = [replace(r, meta_offset=r.meta_offset + at, values_offset=r.values_offset + at) for r in patch.records]
+        return table.patch_area[0] + at, records
 
     def unit_failed(self, unit: str) -> None:
         """Producing `unit` failed: drop what was staged for it and mark its baseline broken."""
@@ -263,18 +287,12 @@ class DeltaSender:
             report.changed_elements += stats.changed
             report.compared_elements += stats.compared
         for engine in report.engines.values():
-            engine.delta_ranks.sort()
+            engine.delta_ranks = sorted(set(engine.delta_ranks))  # gather-free, several senders patch a rank
         over_budget = sum(stats.over_budget for _, stats in per_rank)
-        whole = sum(stats.whole_bytes for _, stats in per_rank)
         if over_budget:
             report.degraded.append(
                 f"delta: {over_budget} unit(s) of the senders do not fit the baselines' memory budget "
                 f"({self.options.memory_bytes:,} bytes per rank) and were sent in full"
-            )
-        if whole:
-            report.degraded.append(
-                f"delta: {whole:,} bytes of gather-free groups were sent in full (a rank's own shards "
-                "have no delta baseline)"
             )
         for target in self._tables:
             outcome = report.engines.get(target.engine_id)
@@ -289,6 +307,11 @@ class DeltaSender:
         for patch in [p for p in [self._open, *self._ready] if p is not None]:
             patch.lease.release()
         self._open, self._ready, self._pool = None, [], None
+
+
+def _share_bytes(area: int, share: Share) -> int:
+    """Bytes of one share of a patch area of `area` bytes (aligned, so records stay aligned)."""
+    return area // share[1] // ALIGN * ALIGN
 
 
 def _reseed(old: torch.Tensor, new: torch.Tensor, elem: int, change: Change) -> None:

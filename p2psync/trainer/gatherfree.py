@@ -8,7 +8,8 @@ constant stride in the local data become one strided copy, and runs that continu
 other on the target stay one write however strided their source. At update, the rank
 packs its elements, cast to the parameters' dtypes, into a transfer buffer and writes
 them. Constants (padding the engine's loader zeroes) are packed by one rank of the sender
-group, from bytes computed once at connect.
+group, from bytes computed once at connect. In delta mode each rank keeps the baseline of
+its own packings (`Packing.slot`), so its delta memory is its shards' share.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from ..core.layout import Layout, ParamGroup, aligned
@@ -41,6 +43,16 @@ class StridedCopy:
     count: int = 1
 
 
+@dataclass(frozen=True)
+class PackedSlot:
+    """What a rank's delta baseline of one packing is keyed by: the target bytes it
+    holds, in packing order. Equal regions mean equal baseline bytes, whatever shards
+    fed them; other regions (a resharded trainer, another layout) start a new baseline."""
+
+    regions: tuple[Region, ...]
+    nbytes: int
+
+
 @dataclass
 class Packing:
     """What one rank writes of one group to the targets of one unit: `nbytes` of packed
@@ -51,6 +63,11 @@ class Packing:
     copies: list[StridedCopy] = field(default_factory=list)
     constants: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (buffer offset, bytes)
     regions: list[Region] = field(default_factory=list)
+
+    @cached_property
+    def slot(self) -> PackedSlot:
+        """This packing's baseline key (once compiled, its regions do not change)."""
+        return PackedSlot(tuple(self.regions), self.nbytes)
 
     def fill(self, shards: Mapping[str, LocalShard], out: torch.Tensor) -> None:
         """Pack the current values of `shards` into `out` (uint8, at least `nbytes`)."""

@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from ..core.layout import ParamGroup
+from ..core.delta import PatchRecord
 from ..core.types import Region, TargetId, TargetTable
+from .baseline import Slotted
 from .buffers import BufferPool
-from .delta_send import DeltaSender, Served, StagedPatch
+from .delta_send import DeltaSender, Served, Share, StagedPatch
 from .options import DeltaOptions
 
 if TYPE_CHECKING:
@@ -30,20 +31,24 @@ class FullUpdates:
     baseline_bytes = 0
     patch_buffer_bytes = 0
 
-    def pool_for(self, served: Served, current: BufferPool | None, transport: Transport) -> BufferPool | None:
+    def pool_for(
+        self, served: Served, share: Share, current: BufferPool | None, transport: Transport
+    ) -> BufferPool | None:
         return None
 
-    def connect(self, tables: Mapping[str, Sequence[TargetTable]], served: Served, pool: BufferPool | None) -> None:
+    def connect(
+        self, tables: Mapping[str, Sequence[TargetTable]], served: Served, share: Share, pool: BufferPool | None
+    ) -> None:
         pass
 
     def begin(self, full: bool, clock: PhaseClock) -> None:
         pass
 
-    def is_delta(self, target: TargetId) -> bool:
+    def is_delta(self, unit: str, target: TargetId) -> bool:
         return False
 
     def produced(
-        self, unit: str, group: ParamGroup | None, out: torch.Tensor, written: list[Region], offset: int
+        self, unit: str, group: Slotted, out: torch.Tensor, written: list[Region], offset: int
     ) -> list[Region]:
         """The regions of a produced group that delta targets get as plain writes: none."""
         return []
@@ -53,6 +58,9 @@ class FullUpdates:
 
     def targets_of(self, patch: StagedPatch) -> list[TargetTable]:
         return []
+
+    def placed(self, patch: StagedPatch, table: TargetTable) -> tuple[int, list[PatchRecord]]:
+        raise AssertionError("full updates stage no patches")
 
     def flush(self) -> None:
         pass
@@ -83,28 +91,28 @@ class DeltaUpdates:
     def patch_buffer_bytes(self) -> int:
         return self.sender.buffer_bytes
 
-    def pool_for(self, served: Served, current: BufferPool | None, transport: Transport) -> BufferPool | None:
-        return self.sender.pool_for(served, current, transport)
+    def pool_for(
+        self, served: Served, share: Share, current: BufferPool | None, transport: Transport
+    ) -> BufferPool | None:
+        return self.sender.pool_for(served, share, current, transport)
 
-    def connect(self, tables: Mapping[str, Sequence[TargetTable]], served: Served, pool: BufferPool | None) -> None:
-        self.sender.connect(tables, served, pool)
+    def connect(
+        self, tables: Mapping[str, Sequence[TargetTable]], served: Served, share: Share, pool: BufferPool | None
+    ) -> None:
+        self.sender.connect(tables, served, share, pool)
 
     def begin(self, full: bool, clock: PhaseClock) -> None:
         self._clock = clock
         self.sender.begin(full)
 
-    def is_delta(self, target: TargetId) -> bool:
-        return self.sender.is_delta(target)
+    def is_delta(self, unit: str, target: TargetId) -> bool:
+        return self.sender.is_delta(unit, target)
 
     def produced(
-        self, unit: str, group: ParamGroup | None, out: torch.Tensor, written: list[Region], offset: int
+        self, unit: str, group: Slotted, out: torch.Tensor, written: list[Region], offset: int
     ) -> list[Region]:
-        """Compare a gathered group with its baseline (the time is the clock's `delta`
-        phase); a gather-free group (None) has no baseline and is written whole."""
-        if group is None:
-            if self.sender.deltas_due:
-                self.sender.stats.whole_bytes += sum(r.nbytes for r in written)
-            return list(written)
+        """Compare a gathered group, or this rank's packing of a gather-free one, with its
+        baseline (the time is the clock's `delta` phase)."""
         assert self._clock is not None, "begin() first"
         self._clock.lap("produce")
         dense = self.sender.diff(unit, group, out, written, offset)
@@ -116,6 +124,9 @@ class DeltaUpdates:
 
     def targets_of(self, patch: StagedPatch) -> list[TargetTable]:
         return self.sender.targets_of(patch)
+
+    def placed(self, patch: StagedPatch, table: TargetTable) -> tuple[int, list[PatchRecord]]:
+        return self.sender.placed(patch, table)
 
     def flush(self) -> None:
         self.sender.flush()

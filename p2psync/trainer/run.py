@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.digest import byte_view, digest
 from ..core.errors import ControlError, where
-from ..core.layout import ParamGroup, aligned
+from ..core.layout import aligned
 from ..core.report import EngineReport, PhaseClock, UpdateReport
 from ..core.source import TrainerSource
 from ..core.transport import WriteBatch
 from ..core.types import Region
 from . import collectives
+from .baseline import Slotted
 from .buffers import Lease
 from .calls import UpdateCalls
 from .compiler import UnitWrites
@@ -40,8 +41,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: Per group of a unit: its bytes, what writes them into a buffer slice (returning the
-#: regions), and the group where it was gathered (None: a gather-free packing).
-Fill = tuple[int, Callable[[Any], list[Region]], ParamGroup | None]
+#: regions), and what its delta baseline is kept by (the group, or a packing's slot).
+Fill = tuple[int, Callable[[Any], list[Region]], Slotted]
 #: Per engine, what this rank's writes did: bytes per engine rank, seconds to the last, error.
 WriteStatus = dict[str, tuple[dict[int, int], float, str | None]]
 
@@ -123,7 +124,7 @@ class UpdateRun:
             shards = self.source.local_shards(self.compiled.packed_inputs)
             for writes, packings in self.compiled.packed:
                 sent: dict[str, Produced] = {}
-                fills: list[Fill] = [(p.nbytes, functools.partial(_fill_packed, p, shards), None) for p in packings]
+                fills: list[Fill] = [(p.nbytes, functools.partial(_fill_packed, p, shards), p.slot) for p in packings]
                 self._send(writes, fills, sent)
                 out.append((writes, sent))
                 self._progressed()
@@ -175,8 +176,7 @@ class UpdateRun:
                 if self.settings.check:
                     _record(lease, written, produced)
                 dense.extend(self.mode.produced(writes.unit, group, out, written, offset))
-                if group is not None:
-                    self._submit_patches()
+                self._submit_patches()
                 offset += aligned(nbytes)
             if lease is not None:
                 self._submit(writes, lease, regions, dense)
@@ -205,7 +205,7 @@ class UpdateRun:
                 continue
             addrs = {p.name: p.addr for p in table.params}
             batch = WriteBatch()
-            for r in dense if self.mode.is_delta(table.target) else regions:
+            for r in dense if self.mode.is_delta(writes.unit, table.target) else regions:
                 batch.add(lease.addr + r.buffer_offset, addrs[r.param] + r.param_offset, r.nbytes)
             writer.submit(WriteJob(table.target, self.conn.peer(table.target), batch, lease))
         lease.release()
@@ -218,9 +218,10 @@ class UpdateRun:
                 writer = self.conn.writers[table.engine_id]
                 if writer.progress.error is not None or table.patch_area is None:
                     continue
+                at, records = self.mode.placed(patch, table)
                 batch = WriteBatch()
-                batch.add(patch.lease.addr, table.patch_area[0], patch.nbytes)
-                apply = self.calls.patch(table.engine_id, table.rank, patch.records)
+                batch.add(patch.lease.addr, at, patch.nbytes)
+                apply = self.calls.patch(table.engine_id, table.rank, records)
                 writer.submit(WriteJob(table.target, self.conn.peer(table.target), batch, patch.lease, after=apply))
             patch.lease.release()
 

@@ -137,7 +137,8 @@ class Session:
             self._conn.close_unless_in(candidate)
         self._conn = candidate
         assert candidate.compiled is not None
-        self._mode.connect(tables, candidate.compiled.served, candidate.patch_pool)
+        compiled = candidate.compiled
+        self._mode.connect(tables, compiled.served, compiled.patch_share, candidate.patch_pool)
         log.info(
             "connected to %d engines (%d targets); serving %d of them from %d buckets",
             len(tables), sum(len(t) for t in tables.values()),

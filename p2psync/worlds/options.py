@@ -3,7 +3,8 @@ engine processes and its trainer processes all read, kept apart so that none of 
 another for its types.
 
 A world's trainer kind is a trainer source's name, or "<source>/<way>" (e.g.
-"fsdp2/gather-free", "fsdp2/delta") where its session updates another way.
+"fsdp2/gather-free", "fsdp2/delta", "fsdp2/gather-free+delta") where its session updates
+another way.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ if TYPE_CHECKING:
     from ..core.report import UpdateReport
 
 #: The session options of a trainer kind's way of updating (see the module's docstring).
-SESSION_WAYS: dict[str, dict[str, Any]] = {"-": {}, "gather-free": {"gather": "auto"}, "delta": {"delta": True}}
+SESSION_WAYS: dict[str, dict[str, Any]] = {
+    "-": {}, "gather-free": {"gather": "auto"}, "delta": {"delta": True},
+    "gather-free+delta": {"gather": "auto", "delta": True},
+}
 
 #: Ranks of a trainer world where its kind fixes them (Megatron-Bridge: TP 2 x PP 2).
 TRAINER_RANKS = {"megatron-bridge": 4}
@@ -86,6 +90,18 @@ class WorldOptions:
         return TRAINER_RANKS.get(split_kind(kind)[0], self.trainers)
 
 
+@dataclass(frozen=True)
+class DeltaMemory:
+    """One trainer rank's delta memory after a run (`SessionStats`), beside what bounds it:
+    the bytes it produces in one update (gather-free and gathered) and how many target
+    parameters it is connected to (each group's baseline slot is aligned)."""
+
+    baseline_bytes: int
+    patch_buffer_bytes: int
+    produced_bytes: int
+    params: int
+
+
 @dataclass
 class RunResult:
     """One run: its reports and generations per update, buckets per update, where it dumped,
@@ -104,3 +120,5 @@ class RunResult:
     meaning: str = ""
     error: str = ""
     skipped: str = ""
+    #: What trainer rank 0 held for delta updates after the run.
+    delta_memory: DeltaMemory | None = None

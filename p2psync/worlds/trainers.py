@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from .engines import dump_path, engine_ids, harness_key
 from .launch import Part, join_trainer_world
 from .models import Trainer, greedy
-from .options import RunResult, split_kind
+from .options import DeltaMemory, RunResult, split_kind
 from .options import trainer_kind as trainer_kind  # where the conformance suite imports it from
 
 if TYPE_CHECKING:
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from ..core.rendezvous import Rendezvous
     from ..core.report import UpdateReport
     from ..core.source import TrainerSource
+    from ..trainer.session import Session
     from .options import WorldOptions
 
 
@@ -129,6 +130,9 @@ TRAINERS: dict[str, Callable[[int, Any, int], TrainerRank]] = {
 class Connection(Protocol):
     bucket_count: int
     gather_free_bytes: tuple[int, int]
+
+    @property
+    def session(self) -> Session: ...
 
     def update(self, version: str) -> UpdateReport: ...
 
@@ -247,6 +251,10 @@ class VllmConnection:
         self.bucket_count = self.sync.session.stats().bucket_count
         self.gather_free_bytes = self.sync.session.stats().gather_free_bytes
 
+    @property
+    def session(self) -> Session:
+        return self.sync.session
+
     def update(self, version: str) -> UpdateReport:
         self.sync.send_weights(version)
         assert self.sync.report is not None
@@ -281,6 +289,13 @@ def dump(trainer: TrainerRank, opts: WorldOptions, urls: dict[str, list[str]], f
     return folder
 
 
+def delta_memory(session: Session) -> DeltaMemory:
+    """What `session` holds for delta updates on this rank, and what bounds it."""
+    stats = session.stats()
+    params = sum(len(t.params) for tables in session.tables.values() for t in tables)
+    return DeltaMemory(stats.baseline_bytes, stats.patch_buffer_bytes, sum(stats.gather_free_bytes), params)
+
+
 def trainer_main(rank: int, opts: WorldOptions, port: int, results: Any, kind: str) -> None:
     """A rank of the `kind` trainer world: each of its runs in turn; rank 0 reports each run."""
     import torch.distributed as dist
@@ -304,6 +319,7 @@ def trainer_main(rank: int, opts: WorldOptions, port: int, results: Any, kind: s
                         e: post(u[0], "generate", {}, token=token, timeout=120)["tokens"]
                         for e, u in urls.items() if reports[-1].engines[e].ok
                     })
+        memory = delta_memory(connection.session)
         folder = dump(trainer, opts, urls, Path(opts.dump_dir) / kind / transport) if opts.dump_dir else None
         meaning = trainer.verify()
         connection.close()
@@ -311,7 +327,7 @@ def trainer_main(rank: int, opts: WorldOptions, port: int, results: Any, kind: s
         if rank == 0:
             results.put(Part(RunResult(
                 kind, transport, reports, generations, connection.bucket_count, connection.gather_free_bytes,
-                str(folder or ""), meaning=meaning,
+                str(folder or ""), meaning=meaning, delta_memory=memory,
             )))
     dist.barrier()  # every rank is done before any tears down
     dist.destroy_process_group()

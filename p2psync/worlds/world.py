@@ -16,6 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..core.layout import ALIGN
 from .engines import dump_path, engine_ids, engine_main
 from .launch import launch_worlds
 from .options import RunResult, WorldOptions, split_kind
@@ -115,7 +116,7 @@ class World:
                 pytest.fail(f"{kind} -> {self.opts.engine} over {transport}: {result.error}", pytrace=False)
             check_reports(result, self.opts)
             way = split_kind(kind)[1]
-            if way == "gather-free":
+            if way.startswith("gather-free"):
                 free, gathered = result.gather_free_bytes  # the worlds' engines only copy: nothing to gather
                 assert free > 0 and gathered == 0, (
                     f"{kind} -> {self.opts.engine}: {free} bytes sent gather-free, {gathered} gathered; "
@@ -123,10 +124,8 @@ class World:
                 )
             else:
                 assert result.buckets > 1, "the run must span several buckets"
-            if way == "delta":  # the first update is full; every later one a delta to every rank
-                for report in result.reports[1:]:
-                    deltas = {e: sorted(r.delta_ranks) for e, r in report.engines.items()}
-                    assert all(ranks == list(range(self.opts.engine_tp)) for ranks in deltas.values()), deltas
+            if way.endswith("delta"):
+                check_deltas(result, self.opts, gather_free=way.startswith("gather-free"))
             return self.pairs(result)
 
         return go
@@ -188,6 +187,24 @@ def check_reports(result: RunResult, opts: WorldOptions) -> None:
     assert not result.meaning, result.meaning
     for generations in result.generations:
         assert generations == dict.fromkeys(["trainer", *engine_ids(opts)], generations["trainer"]), generations
+
+
+def check_deltas(result: RunResult, opts: WorldOptions, gather_free: bool) -> None:
+    """The first update is full; every later one a delta to every rank. Gather-free, every
+    rank's own shards went as deltas too, and rank 0's baselines hold its own bytes (what it
+    produces in one update, slots aligned), not a full group's."""
+    for report in result.reports[1:]:
+        deltas = {e: sorted(r.delta_ranks) for e, r in report.engines.items()}
+        assert all(ranks == list(range(opts.engine_tp)) for ranks in deltas.values()), deltas
+        if gather_free:
+            assert not any("sent in full" in note for note in report.degraded), report.degraded
+            assert 0 < report.changed_elements <= report.compared_elements, report.format()  # AdamW: most change
+    memory = result.delta_memory
+    if gather_free and memory is not None:
+        assert memory.produced_bytes <= memory.baseline_bytes, memory
+        assert memory.baseline_bytes <= memory.produced_bytes + 2 * ALIGN * memory.params, memory
+        full = result.reports[0].engines[engine_ids(opts)[0]].bytes  # what every sender wrote to one engine
+        assert memory.baseline_bytes < full, (memory, full)
 
 
 def check_vllm_calls(calls: list[list[Any]], updates: int, version: str) -> None:

@@ -91,8 +91,9 @@ class TestToTorch(RoundTripTests):
         return worlds.round_trip(trainer, "torch", transport, device)
 
 
-#: Megatron-Bridge gather-free over one transport (environment bridge: its gathering rows run three).
-WAYS = way_rows(TRANSPORTS) + [("megatron-bridge", "gather-free", "mooncake")]
+#: Megatron-Bridge gather-free over one transport (environment bridge: its gathering rows run three);
+#: FSDP2 gather-free plus delta over one.
+WAYS = way_rows(TRANSPORTS) + [("megatron-bridge", "gather-free", "mooncake"), ("fsdp2", "gather-free+delta", "mooncake")]
 
 
 @pytest.mark.slow
@@ -102,8 +103,9 @@ class TestWaysToTorch(RoundTripTests):
     """The session's other ways of updating, oracles and generation as above: gather-free
     (each trainer rank writes its own shards' part straight into the engines' parameters: FSDP2's
     rows; Megatron-Core TP 2's column and row splits, fused QKV and gate/up parts, vocabulary
-    rows; Megatron-Bridge TP 2 x PP 2 where its mappings are those conversions) and delta
-    (FSDP2: after a full first update, only what changed)."""
+    rows; Megatron-Bridge TP 2 x PP 2 where its mappings are those conversions), delta
+    (FSDP2: after a full first update, only what changed) and both (each FSDP2 rank sends only
+    what changed of its own rows, against a baseline of just those)."""
 
     conformance = {"engine": "torch"}
 

@@ -62,18 +62,6 @@ def test_units_over_the_delta_budget_are_reported_sent_in_full():
                for n in report.degraded), report.degraded
 
 
-def test_gather_free_groups_under_delta_are_reported_sent_in_full():
-    source = ShardSource(tensors_of(0))
-    with toy_session(source, delta=True, gather="auto") as (session, engines):
-        first = session.update("v1")
-        source.tensors.update(tensors_of(1))
-        second = session.update("v2")
-        assert_own_load(engines, source.tensors)
-    assert not any(n.startswith("delta:") for n in first.degraded), "a first update is full for every target anyway"
-    assert second.ok
-    assert any("bytes of gather-free groups were sent in full" in n for n in second.degraded), second.degraded
-
-
 def test_a_failed_check_names_every_parameter_that_differs():
     from p2psync.conformance.faults import corrupting
     from p2psync.core.types import TargetId
