@@ -93,6 +93,12 @@ def structure(name: str) -> str:
     return "layer" if _LAYER.match(name) else "base"
 
 
+def group_structure(inputs: Any) -> str:
+    """The structure a parameter group belongs to: expert if it reads a routed expert, else
+    layer if it reads a decoder layer's tensor, else base."""
+    return max((structure(name) for name in inputs), key=STRUCTURES.index, default="base")
+
+
 def expert_of(name: str) -> tuple[int, int] | None:
     """(layer, expert) of a routed expert's HF tensor, None for any other."""
     match = _EXPERT.match(name)

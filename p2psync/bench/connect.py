@@ -186,19 +186,24 @@ def format_connect(result: dict[str, Any]) -> str:
         costs = fitted["costs"]
         per = ", ".join(f"{s} {costs[f'{s}_instance']:.2f} s + {costs[f'{s}_element'] * 1e9:.1f} ns/element"
                         for s in STRUCTURES)
-        lines.append(f"fit ({fitted['model']}; compile per engine rank, per instance of each structure): {per}; "
-                     f"peak {fitted['bytes_per_group_element']:.1f} B per element of the largest group + "
-                     f"{fitted['bytes_constant'] / MB:,.0f} MB")
+        memory = ", ".join(f"{s} {b:.1f}" for s, b in fitted["bytes_per_group_element"].items())
+        lines.append(f"fit ({fitted['model']}; CPU seconds of a rank's compile, per compiled instance of each "
+                     f"structure): {per}; {costs['shared_group']:.3f} s per group renamed from another")
+        lines.append(f"peak memory: bytes per input element of the largest group of each structure: {memory}")
+        shared = fitted["sharing"]
+        lines.append("layers shared: none measured (sweep 4 layers or more to see it)" if shared is None else
+                     f"layers shared: {shared['point']} compiled {shared['compiled_layers']:g} of its "
+                     f"{shared['layers']} layers, {shared['groups_per_layer']:g} groups per layer")
         lines += ["  " + f"{q['name']}: {q['compile_seconds_per_rank']:.1f} s measured, {q['fitted']:.1f} s fitted; "
-                  f"{q['compile_added_bytes'] / MB:,.0f} MB measured, {q['fitted_bytes'] / MB:,.0f} MB fitted"
+                  f"{q['compile_added_bytes'] / MB:,.0f} MB measured, {_mb(q['fitted_bytes'])} MB bound"
                   for q in fitted["points"]]
     if fitted.get("marginal"):
         lines.append("measured growth (compile per engine rank, between points alike but in one size):")
         lines += [f"  +{m['added']:g} {m['axis']}{'s' if m['added'] != 1 else ''} ({m['from']} -> {m['to']}): "
                   f"{m['seconds_per_added']:.2f} s each" for m in fitted["marginal"]]
     lines += ["", "extrapolated (from the fit, not measured):"]
-    lines += _table(["model, layout", "params", "experts/rank", "s per engine rank", "s per trainer rank's connect",
-                     "peak MB"], [_extrapolated(e) for e in result["extrapolations"]])
+    lines += _table(["model, layout", "params", "experts/rank", "layers compiled", "s per engine rank",
+                     "s per trainer rank's connect", "peak MB"], [_extrapolated(e) for e in result["extrapolations"]])
     lines += ["", "assumptions:"] + [f"  - {a}" for a in result["assumptions"]]
     return "\n".join(lines)
 
@@ -218,10 +223,14 @@ def _row(p: dict[str, Any]) -> list[str]:
 
 def _extrapolated(e: dict[str, Any]) -> list[str]:
     if "error" in e:
-        return [e["label"], "-", "-", e["error"], "-", "-"]
+        return [e["label"], "-", "-", "-", e["error"], "-", "-"]
     head = [e["label"], f"{e['parameters'] / 1e9:,.1f}B", str(e["experts_per_rank"])]
-    peak = "-" if e["peak_bytes"] is None else f"{e['peak_bytes'] / MB:,.0f}"
-    return head + [_duration(e["seconds_per_engine_rank"]), _duration(e["seconds_per_connect"]), peak]
+    return head + [f"{e['compiled_layers']:g} of {e['instances']['layer']}", _duration(e["seconds_per_engine_rank"]),
+                   _duration(e["seconds_per_connect"]), _mb(e["peak_bytes"])]
+
+
+def _mb(n: float | None) -> str:
+    return "-" if n is None else f"{n / MB:,.0f}"
 
 
 def _duration(seconds: float) -> str:

@@ -1,5 +1,8 @@
 """The connect bench's plot: compile seconds per engine rank and the compile's peak memory
-against the model's parameters, measured points and extrapolations (matplotlib, if installed)."""
+against the model's parameters, measured points and extrapolations (matplotlib, if installed).
+
+It needs nothing of p2psync: the engine environments have no matplotlib, so saved results can
+be drawn by any Python that has it, `python p2psync/bench/connect_plot.py RESULT.json...`."""
 
 from __future__ import annotations
 
@@ -25,10 +28,11 @@ def plot(result: dict[str, Any], path: Path) -> str:
     seconds.scatter(params, [max(p["seconds"]["second_compile"], 1e-4) for p in measured], marker="x",
                     label="second compile (cached), measured")
     memory.scatter(params, [p["added_bytes"]["compile"] / 1e6 for p in measured], label="compile, measured")
-    for e in guessed:
-        seconds.scatter([e["parameters"]], [e["seconds_per_engine_rank"]], marker="^", label=f"{e['label']}, fitted")
+    for i, e in enumerate(guessed):
+        mark = dict(marker="^", color=f"C{i + 2}", label=f"{e['label']}, fitted")
+        seconds.scatter([e["parameters"]], [e["seconds_per_engine_rank"]], **mark)
         if e["peak_bytes"] is not None:
-            memory.scatter([e["parameters"]], [e["peak_bytes"] / 1e6], marker="^", label=f"{e['label']}, fitted")
+            memory.scatter([e["parameters"]], [e["peak_bytes"] / 1e6], **mark)
     setup = result["setup"]
     for axes, label in ((seconds, "seconds per engine rank"), (memory, "peak RSS above the compile's start, MB")):
         axes.set_xscale("log")
@@ -43,3 +47,19 @@ def plot(result: dict[str, Any], path: Path) -> str:
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return f"plot saved to {path}"
+
+
+def main(argv: list[str]) -> int:
+    """Plot saved results, each into a PNG beside its JSON."""
+    import json
+
+    for name in argv:
+        path = Path(name)
+        print(plot(json.loads(path.read_text()), path.with_suffix(".png")))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

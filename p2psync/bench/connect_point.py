@@ -164,19 +164,23 @@ def measure(point: Point) -> Measured:
 
 
 def _rank(table: TargetTable, layout: Layout, specs: dict[str, ParamSpec]) -> dict[str, Any]:
-    """One engine rank's layout: its groups (how many compiled by renaming another: the
-    layout's `shared_groups`, where it has them), the instances and elements of each structure
-among its HF inputs,
-    its largest group's, its local experts, and its groups' structures (`archs.template`)."""
+    """One engine rank's layout: its groups, those of decoder layers, how many were compiled by
+    renaming another (the layout's `shared_groups`, where it has them), the instances and
+    elements of each structure among its HF inputs, its largest group's elements (of all, and
+    of each structure), its local experts, and its groups' structures (`archs.template`)."""
     groups = layout.groups()
     inputs = {name for g in groups for name in g.inputs}
     experts = {e for e in map(archs.expert_of, inputs) if e is not None}
     templates = {json.dumps(archs.template(g.inputs), sort_keys=True) for g in groups}
+    sizes = [(archs.group_structure(g.inputs), sum(numel(specs[n].shape) for n in g.inputs)) for g in groups]
     return {
         "rank": table.rank, "parameters": sum(numel(p.shape) for p in table.params), "bytes": table.nbytes,
-        "groups": len(groups), "shared_groups": getattr(layout, "shared_groups", None),
+        "groups": len(groups), "layer_groups": sum(kind != "base" for kind, _ in sizes),
+        "shared_groups": getattr(layout, "shared_groups", None),
         "instances": archs.instances(inputs), "elements": archs.elements(specs, inputs),
-        "largest_group_elements": max((sum(numel(specs[n].shape) for n in g.inputs) for g in groups), default=0),
+        "largest_group_elements": max((n for _, n in sizes), default=0),
+        "largest_group_by_structure": {s: max((n for kind, n in sizes if kind == s), default=0)
+                                       for s in archs.STRUCTURES},
         "experts_per_layer": len(experts) // max(1, len({layer for layer, _ in experts})),
         "group_templates": [json.loads(t) for t in sorted(templates)],
     }

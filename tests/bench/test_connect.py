@@ -25,36 +25,46 @@ TINY = ["--arch", "Qwen3-30B-A3B", "--layers", "1", "--experts", "4", "--hidden"
 
 
 def _point(name: str, layers: int, experts: int, hidden: int, costs: dict[str, float]) -> dict[str, Any]:
-    """A measured point as `connect_point.measure` reports it, its compile taking `costs` exactly."""
+    """A measured point as `connect_point.measure` reports it, its compile taking `costs` exactly:
+    4 groups per layer, those of all layers but 3 renamed from others from 4 layers on."""
+    shared = 4 * (layers - 3) if layers > 3 else 0
+    kept = (layers - shared / 4) / layers
     instances = {"base": 1, "layer": layers, "expert": layers * experts}
     elements = {"base": 2 * 1000 * hidden, "layer": layers * 7 * hidden * hidden, "expert": layers * experts * 3 * hidden}
-    seconds = sum(costs[f"{s}_instance"] * instances[s] + costs[f"{s}_element"] * elements[s] for s in STRUCTURES)
-    largest = max(1000 * hidden, experts * 3 * hidden)
+    seconds = costs["shared_group"] * shared + sum(
+        (costs[f"{s}_instance"] * instances[s] + costs[f"{s}_element"] * elements[s]) * (1 if s == "base" else kept)
+        for s in STRUCTURES
+    )
+    largest = {"base": 1000 * hidden, "layer": 4 * hidden * hidden, "expert": experts * 40 * hidden}
     return {
         "name": name, "point": {"shape": {"hidden": hidden, "vocab": 1000, "layers": layers, "experts": experts}},
-        "cpu_seconds": {"compile": seconds}, "added_bytes": {"compile": 40 * largest + 5e6},
-        "ranks": [{"instances": instances, "elements": elements, "largest_group_elements": largest}],
+        "cpu_seconds": {"compile": seconds}, "added_bytes": {"compile": max(40 * largest["base"], 60 * largest["expert"])},
+        "ranks": [{"instances": instances, "elements": elements, "largest_group_by_structure": largest,
+                   "layer_groups": 4 * layers, "shared_groups": shared}],
     }
 
 
 def _grid(costs: dict[str, float], hiddens: tuple[int, ...]) -> list[dict[str, Any]]:
-    return [_point(f"L{n}-E{e}-H{h}", n, e, h, costs) for h in hiddens for n in (1, 2, 4) for e in (8, 32)]
+    return [_point(f"L{n}-E{e}-H{h}", n, e, h, costs) for h in hiddens for n in (1, 2, 4, 8) for e in (8, 32)]
 
 
 def test_fit_recovers_the_costs_per_instance_and_per_element_of_each_structure():
-    costs = dict(zip(COLUMNS, [2.0, 0.5, 0.05, 3e-8, 1e-7, 2e-7]))
+    costs = dict(zip(COLUMNS, [2.0, 0.5, 0.05, 3e-8, 1e-7, 2e-7, 0.01]))
     fitted = fit(_grid(costs, (256, 512)))
     assert fitted["model"] == "per instance and per element"
     assert fitted["costs"] == pytest.approx(costs, rel=1e-6)
-    assert fitted["bytes_per_group_element"] == pytest.approx(40) and fitted["bytes_constant"] == pytest.approx(5e6)
+    assert fitted["sharing"]["compiled_layers"] == 3 and fitted["sharing"]["groups_per_layer"] == 4
+    # each structure's bytes per element of its largest group, least over the points: tight where it set the peak
+    assert fitted["bytes_per_group_element"] == pytest.approx({"base": 40, "layer": 40 * 1000 / (4 * 512), "expert": 60})
     growth = {(m["axis"], m["from"], m["to"]): m["seconds_per_added"] for m in fitted["marginal"]}
-    # one more layer of 8 experts at hidden 256: its instance, elements, and 8 experts'
+    # one more compiled layer of 8 experts at hidden 256: its instance, elements, and 8 experts'
     per_layer = 0.5 + 1e-7 * 7 * 256 * 256 + 8 * (0.05 + 2e-7 * 3 * 256)
     assert growth[("layer", "L1-E8-H256", "L2-E8-H256")] == pytest.approx(per_layer)
+    assert growth[("layer", "L4-E8-H256", "L8-E8-H256")] == pytest.approx(4 * 0.01 / 1)  # 4 layers more, renamed
 
 
 def test_fit_at_one_hidden_size_keeps_costs_per_element_and_says_so():
-    costs = dict(zip(COLUMNS, [0.0, 0.0, 0.0, 3e-8, 1e-7, 2e-7]))
+    costs = dict(zip(COLUMNS, [0.0, 0.0, 0.0, 3e-8, 1e-7, 2e-7, 0.01]))
     fitted = fit(_grid(costs, (256,)))
     assert fitted["model"] == "per element"
     assert fitted["costs"] == pytest.approx(costs, rel=1e-6, abs=1e-12)
