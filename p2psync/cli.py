@@ -60,7 +60,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 #: `p2psync bench` flags of --connect only (their defaults are None or False), and flags --connect refuses.
-_CONNECT_ONLY = ("arch", "layers", "experts", "hidden", "vocab", "engine_ep", "all_ranks", "max_rss_gb", "point_timeout")
+_CONNECT_ONLY = (
+    "arch", "layers", "experts", "hidden", "vocab", "engine_ep", "all_ranks", "max_rss_gb", "point_timeout",
+)
 _NOT_CONNECT = ("size", "ways", "engine_dtype", "delta")
 
 
@@ -101,8 +103,8 @@ def _bench_connect(args: argparse.Namespace) -> int:
     from .bench.connect_plot import plot
 
     fields: dict[str, Any] = {
-        "engine": args.engine, "arch": args.arch, "layers": tuple(args.layers or ()), "experts": tuple(args.experts or ()),
-        "hidden": tuple(args.hidden or ()), "vocab": args.vocab, "tp": args.engine_tp, "ep": args.engine_ep,
+        "engine": args.engine, "arch": args.arch, "tp": args.engine_tp, "ep": args.engine_ep,
+        **{name: tuple(getattr(args, name) or ()) for name in ("layers", "experts", "hidden", "vocab")},
         "all_ranks": args.all_ranks,
         "max_rss_bytes": None if args.max_rss_gb is None else int(args.max_rss_gb * (1 << 30)),
         "timeout_s": args.point_timeout,
@@ -194,11 +196,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "Qwen3-30B-A3B",
     )
     connect.add_argument("--connect", action="store_true", help="run the connect bench (needs --engine sglang or vllm)")
-    connect.add_argument("--arch", choices=ARCHS, help="the model's architecture and dimensions (default Qwen3-30B-A3B)")
-    connect.add_argument("--layers", type=int, nargs="+", help="decoder layer counts to sweep (default 1 2)")
-    connect.add_argument("--experts", type=int, nargs="+", help="routed expert counts to sweep (default 8 16)")
+    connect.add_argument("--arch", choices=ARCHS,
+                         help="the model's architecture and dimensions (default Qwen3-30B-A3B)")
+    connect.add_argument("--layers", type=int, nargs="+", help="decoder layer counts to sweep (default 1 2 4)")
+    connect.add_argument("--experts", type=int, nargs="+", help="routed expert counts to sweep (default 8 32)")
     connect.add_argument("--hidden", type=int, nargs="+", help="hidden sizes to sweep (default: the architecture's)")
-    connect.add_argument("--vocab", type=int, help="vocabulary size (default: the architecture's)")
+    connect.add_argument("--vocab", type=int, nargs="+", help="vocabulary sizes to sweep (default 8192; the fit "
+                         "scales the embedding's cost to the architecture's own)")
     connect.add_argument("--engine-ep", type=int, help="expert-parallel ranks (default: sglang --engine-tp, vLLM 1)")
     connect.add_argument("--all-ranks", action="store_true", help="compile every engine rank's layout (default rank 0)")
     connect.add_argument("--max-rss-gb", type=float, help="kill a configuration past this resident memory (default 6)")

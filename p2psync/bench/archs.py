@@ -99,6 +99,12 @@ def group_structure(inputs: Any) -> str:
     return max((structure(name) for name in inputs), key=STRUCTURES.index, default="base")
 
 
+def layer_of(group: Any) -> int | None:
+    """The decoder layer a parameter group belongs to (the first its inputs name), None for a base group."""
+    layers = [int(m[1]) for m in map(_LAYER.match, group.inputs) if m]
+    return min(layers) if layers else None
+
+
 def expert_of(name: str) -> tuple[int, int] | None:
     """(layer, expert) of a routed expert's HF tensor, None for any other."""
     match = _EXPERT.match(name)

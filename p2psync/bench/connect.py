@@ -29,17 +29,19 @@ MB = 1e6
 
 @dataclass(frozen=True)
 class ConnectOptions:
-    """The sweep: `arch` (a planner preset) at every combination of `layers`, `experts` and
-    `hidden` (empty: the preset's hidden size), its vocabulary `vocab` (None: the preset's), on
+    """The sweep: `arch` (a planner preset) at every combination of `layers`, `experts`, `hidden`
+    (empty: the preset's hidden size) and `vocab` (empty: the preset's; by default a small one,
+    since the presets' own make the embedding the largest group, several GB to compile, and the
+    fit scales its cost to theirs), on
     `engine` ranks of TP `tp` with experts over `ep` (None: `tp` for sglang, 1 for vLLM);
     compiling engine rank 0's layout, or every rank's (`all_ranks`)."""
 
     engine: str = "sglang"
     arch: str = "Qwen3-30B-A3B"
-    layers: tuple[int, ...] = (1, 2)
-    experts: tuple[int, ...] = (8, 16)
+    layers: tuple[int, ...] = (1, 2, 4)
+    experts: tuple[int, ...] = (8, 32)
     hidden: tuple[int, ...] = ()
-    vocab: int | None = None
+    vocab: tuple[int, ...] = (8192,)
     tp: int = 4
     ep: int | None = None
     all_ranks: bool = False
@@ -64,10 +66,10 @@ class ConnectOptions:
         """Every configuration of the sweep, smallest first."""
         ranks = tuple(range(self.tp)) if self.all_ranks else (0,)
         return [
-            Point(self.engine, Shape(self.arch, layers, experts, hidden, self.vocab), self.tp, self.expert_parallel,
-                  ranks)
-            for hidden, layers, experts in itertools.product(self.hidden or (None,), sorted(self.layers),
-                                                             sorted(self.experts))
+            Point(self.engine, Shape(self.arch, layers, experts, hidden, vocab), self.tp, self.expert_parallel, ranks)
+            for vocab, hidden, layers, experts in itertools.product(
+                sorted(self.vocab) or (None,), sorted(self.hidden) or (None,), sorted(self.layers), sorted(self.experts)
+            )
         ]
 
     def targets(self) -> list[Target]:
@@ -87,7 +89,8 @@ def run_point(point: Point, max_rss_bytes: int, timeout_s: float) -> dict[str, A
     """Measure `point` in a process of its own (`connect_point`'s main), watching its resident
     memory; its result, or {"error": ...} with the end of its output."""
     package_root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    path = os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = dict(os.environ, PYTHONPATH=path)
     with tempfile.TemporaryDirectory(prefix="p2psync-connect-") as tmp:
         given, out, log = Path(tmp) / "point.json", Path(tmp) / "result.json", Path(tmp) / "log.txt"
         given.write_text(json.dumps(point.to_json()))
@@ -171,7 +174,8 @@ def format_connect(result: dict[str, Any]) -> str:
     """The result as text: a row per point, the fit, the extrapolations and their assumptions."""
     setup = result["setup"]
     lines = [f"p2psync bench --connect: {setup['model']['arch']} shapes, {setup['engine']['kind']} TP "
-             f"{setup['engine']['tp']} x EP {setup['engine']['ep']}, engine ranks {setup['ranks']} (no engine processes; "
+             f"{setup['engine']['tp']} x EP {setup['engine']['ep']}, engine ranks {setup['ranks']} "
+             "(no engine processes; "
              "tables made on meta, layouts through LayoutCache; wall seconds per phase, one thread per point; "
              "tables: the engine side, with the engine library's first import of its model classes)", ""]
     header = ["point", "params", "ranks", "groups (shared)", *[f"{ph} s" for ph in PHASES[1:]], "compile CPU s",

@@ -153,7 +153,8 @@ def sharing(points: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     if not shared:
         return None
     layers, point, rank = max(shared, key=lambda item: item[0])
-    per_layer = rank["layer_groups"] / rank["instances"]["layer"]
+    counts = rank["groups_per_layer"]
+    per_layer = max(set(counts), key=counts.count)  # the layers that repeat (a dense first layer has its own count)
     return {"point": point["name"], "layers": rank["instances"]["layer"],
             "compiled_layers": rank["instances"]["layer"] - rank["shared_groups"] / per_layer,
             "groups_per_layer": per_layer}

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -164,7 +165,7 @@ def measure(point: Point) -> Measured:
 
 
 def _rank(table: TargetTable, layout: Layout, specs: dict[str, ParamSpec]) -> dict[str, Any]:
-    """One engine rank's layout: its groups, those of decoder layers, how many were compiled by
+    """One engine rank's layout: its groups, those of decoder layers (and per layer), how many were compiled by
     renaming another (the layout's `shared_groups`, where it has them), the instances and
     elements of each structure among its HF inputs, its largest group's elements (of all, and
     of each structure), its local experts, and its groups' structures (`archs.template`)."""
@@ -176,6 +177,7 @@ def _rank(table: TargetTable, layout: Layout, specs: dict[str, ParamSpec]) -> di
     return {
         "rank": table.rank, "parameters": sum(numel(p.shape) for p in table.params), "bytes": table.nbytes,
         "groups": len(groups), "layer_groups": sum(kind != "base" for kind, _ in sizes),
+        "groups_per_layer": sorted(Counter(n for n in map(archs.layer_of, groups) if n is not None).values()),
         "shared_groups": getattr(layout, "shared_groups", None),
         "instances": archs.instances(inputs), "elements": archs.elements(specs, inputs),
         "largest_group_elements": max((n for _, n in sizes), default=0),

@@ -30,7 +30,7 @@ def _point(name: str, layers: int, experts: int, hidden: int, costs: dict[str, f
     shared = 4 * (layers - 3) if layers > 3 else 0
     kept = (layers - shared / 4) / layers
     instances = {"base": 1, "layer": layers, "expert": layers * experts}
-    elements = {"base": 2 * 1000 * hidden, "layer": layers * 7 * hidden * hidden, "expert": layers * experts * 3 * hidden}
+    elements = {"base": 2 * 1000 * hidden, "layer": layers * 7 * hidden**2, "expert": layers * experts * 3 * hidden}
     seconds = costs["shared_group"] * shared + sum(
         (costs[f"{s}_instance"] * instances[s] + costs[f"{s}_element"] * elements[s]) * (1 if s == "base" else kept)
         for s in STRUCTURES
@@ -38,9 +38,10 @@ def _point(name: str, layers: int, experts: int, hidden: int, costs: dict[str, f
     largest = {"base": 1000 * hidden, "layer": 4 * hidden * hidden, "expert": experts * 40 * hidden}
     return {
         "name": name, "point": {"shape": {"hidden": hidden, "vocab": 1000, "layers": layers, "experts": experts}},
-        "cpu_seconds": {"compile": seconds}, "added_bytes": {"compile": max(40 * largest["base"], 60 * largest["expert"])},
+        "cpu_seconds": {"compile": seconds},
+        "added_bytes": {"compile": max(40 * largest["base"], 60 * largest["expert"])},
         "ranks": [{"instances": instances, "elements": elements, "largest_group_by_structure": largest,
-                   "layer_groups": 4 * layers, "shared_groups": shared}],
+                   "layer_groups": 4 * layers, "groups_per_layer": [4] * layers, "shared_groups": shared}],
     }
 
 
@@ -55,7 +56,8 @@ def test_fit_recovers_the_costs_per_instance_and_per_element_of_each_structure()
     assert fitted["costs"] == pytest.approx(costs, rel=1e-6)
     assert fitted["sharing"]["compiled_layers"] == 3 and fitted["sharing"]["groups_per_layer"] == 4
     # each structure's bytes per element of its largest group, least over the points: tight where it set the peak
-    assert fitted["bytes_per_group_element"] == pytest.approx({"base": 40, "layer": 40 * 1000 / (4 * 512), "expert": 60})
+    bound = {"base": 40, "layer": 40 * 1000 / (4 * 512), "expert": 60}
+    assert fitted["bytes_per_group_element"] == pytest.approx(bound)
     growth = {(m["axis"], m["from"], m["to"]): m["seconds_per_added"] for m in fitted["marginal"]}
     # one more compiled layer of 8 experts at hidden 256: its instance, elements, and 8 experts'
     per_layer = 0.5 + 1e-7 * 7 * 256 * 256 + 8 * (0.05 + 2e-7 * 3 * 256)
@@ -86,8 +88,8 @@ def test_options_the_connect_bench_cannot_run_are_refused(argv, capsys):
 def test_a_point_past_its_memory_limit_is_killed_and_reported(capsys: pytest.CaptureFixture[str], tmp_path: Path):
     """Each point runs in a process of its own, watched: past --max-rss-gb it is killed, the run
     goes on and fails; --save keeps the result apart from the update bench's (a connect/ folder)."""
-    argv = ["bench", "--connect", "--engine", "sglang", *TINY, "--max-rss-gb", "0.001", "--json", "--save", str(tmp_path)]
-    assert main(argv) == 1
+    argv = ["bench", "--connect", "--engine", "sglang", *TINY, "--max-rss-gb", "0.001", "--json"]
+    assert main([*argv, "--save", str(tmp_path)]) == 1
     (point,) = json.loads(capsys.readouterr().out)["points"]
     assert point["error"].startswith("killed: resident memory")
     assert len(list((tmp_path / "connect").glob("*-sglang-connect-Qwen3-30B-A3B.json"))) == 1
