@@ -168,7 +168,7 @@ def connect_extrapolation_table(runs: list[tuple[str, dict[str, Any]]]) -> list[
                 continue
             peak = "-" if e["peak_bytes"] is None else f"{e['peak_bytes'] / 1e6:,.0f}"
             rows.append([name, model, e["label"], f"{e['parameters'] / 1e9:,.1f}B", str(e["experts_per_rank"]),
-                         f"{e['compiled_layers']:g} of {e['instances']['layer']}",
+                         f"{e['compiled_layers']:.1f} of {e['instances']['layer']}",
                          _duration(e["seconds_per_engine_rank"]), _duration(e["seconds_per_connect"]), peak])
     return _table(header, rows)
 

@@ -196,7 +196,7 @@ def format_connect(result: dict[str, Any]) -> str:
         lines.append(f"peak memory: bytes per input element of the largest group of each structure: {memory}")
         shared = fitted["sharing"]
         lines.append("layers shared: none measured (sweep 4 layers or more to see it)" if shared is None else
-                     f"layers shared: {shared['point']} compiled {shared['compiled_layers']:g} of its "
+                     f"layers shared: {shared['point']} compiled {shared['compiled_layers']:.1f} of its "
                      f"{shared['layers']} layers, {shared['groups_per_layer']:g} groups per layer")
         lines += ["  " + f"{q['name']}: {q['compile_seconds_per_rank']:.1f} s measured, {q['fitted']:.1f} s fitted; "
                   f"{q['compile_added_bytes'] / MB:,.0f} MB measured, {_mb(q['fitted_bytes'])} MB bound"
@@ -229,7 +229,7 @@ def _extrapolated(e: dict[str, Any]) -> list[str]:
     if "error" in e:
         return [e["label"], "-", "-", "-", e["error"], "-", "-"]
     head = [e["label"], f"{e['parameters'] / 1e9:,.1f}B", str(e["experts_per_rank"])]
-    return head + [f"{e['compiled_layers']:g} of {e['instances']['layer']}", _duration(e["seconds_per_engine_rank"]),
+    return head + [f"{e['compiled_layers']:.1f} of {e['instances']['layer']}", _duration(e["seconds_per_engine_rank"]),
                    _duration(e["seconds_per_connect"]), _mb(e["peak_bytes"])]
 
 
