@@ -165,8 +165,8 @@ def measure(point: Point) -> Measured:
 
 
 def _rank(table: TargetTable, layout: Layout, specs: dict[str, ParamSpec]) -> dict[str, Any]:
-    """One engine rank's layout: its groups, those of decoder layers (and per layer), how many were compiled by
-    renaming another (the layout's `shared_groups`, where it has them), the instances and
+    """One engine rank's layout: its groups, those of decoder layers (and per layer), how many
+    were compiled by renaming another (the layout's `shared_groups`, where it has them), the instances and
     elements of each structure among its HF inputs, its largest group's elements (of all, and
     of each structure), its local experts, and its groups' structures (`archs.template`)."""
     groups = layout.groups()

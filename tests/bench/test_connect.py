@@ -151,6 +151,9 @@ def _check(
     assert reported["elements"] == archs.elements(specs, inputs)
     assert reported["largest_group_elements"] == max(sum(numel(specs[n].shape) for n in g.inputs) for g in groups)
     assert reported["instances"] == {"base": 1, "layer": 1, "expert": local_experts}
+    # what the extrapolation models a rank to load is what this rank's layout reads
+    modelled = measured.result["modelled"]
+    assert (modelled["instances"], modelled["elements"]) == (reported["instances"], reported["elements"])
 
 
 def _key(table: Any) -> dict[str, Any]:
