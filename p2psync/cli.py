@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -58,15 +59,28 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+#: `p2psync bench` flags of --connect only (their defaults are None or False), and flags --connect refuses.
+_CONNECT_ONLY = (
+    "arch", "layers", "experts", "hidden", "vocab", "engine_ep", "all_ranks", "max_rss_gb", "point_timeout",
+)
+_NOT_CONNECT = ("size", "ways", "engine_dtype", "delta")
+
+
 def _bench(args: argparse.Namespace) -> int:
     from .bench import BenchOptions, format_report, run_bench
     from .trainer.options import SessionOptions
 
+    if args.connect:
+        return _bench_connect(args)
+    given = [f"--{name.replace('_', '-')}" for name in _CONNECT_ONLY if getattr(args, name) not in (None, False)]
+    if given:
+        print(f"p2psync bench: {', '.join(given)} are options of --connect", file=sys.stderr)
+        return 2
     opts = BenchOptions(
         size=args.size or ("100m" if args.engine == "torch" else "moe"), trainers=args.trainers, engines=args.engines,
         updates=args.updates, warmup=args.warmup, transport=args.transport, raw_bytes=args.raw_mib << 20,
-        engine=args.engine, engine_tp=args.engine_tp, ways=tuple(args.ways or ()), engine_dtype=args.engine_dtype,
-        delta_lrs=tuple(args.lr),
+        engine=args.engine, engine_tp=2 if args.engine_tp is None else args.engine_tp, ways=tuple(args.ways or ()),
+        engine_dtype=args.engine_dtype, delta_lrs=tuple(args.lr),
     )
     if args.gather != "always" and not args.delta:
         print("p2psync bench: --gather is for --delta (the other bench compares both ways itself)", file=sys.stderr)
@@ -81,13 +95,40 @@ def _bench(args: argparse.Namespace) -> int:
     )
 
 
+def _bench_connect(args: argparse.Namespace) -> int:
+    """`p2psync bench --connect`: the connect bench (`bench.connect`)."""
+    given = [f"--{name.replace('_', '-')}" for name in _NOT_CONNECT if getattr(args, name) not in (None, False)]
+    if given:
+        print(f"p2psync bench --connect: {', '.join(given)} are not options of --connect", file=sys.stderr)
+        return 2
+    if args.engine == "torch":
+        print("p2psync bench --connect: choose --engine sglang or --engine vllm", file=sys.stderr)
+        return 2
+    from .bench.connect import ConnectOptions, format_connect, run_connect_bench, verified
+    from .bench.connect_plot import plot
+
+    fields: dict[str, Any] = {
+        "engine": args.engine, "arch": args.arch, "tp": args.engine_tp, "ep": args.engine_ep,
+        **{name: tuple(getattr(args, name) or ()) for name in ("layers", "experts", "hidden", "vocab")},
+        "all_ranks": args.all_ranks,
+        "max_rss_bytes": None if args.max_rss_gb is None else int(args.max_rss_gb * (1 << 30)),
+        "timeout_s": args.point_timeout,
+    }
+    try:
+        opts = ConnectOptions(**{k: v for k, v in fields.items() if v not in (None, ())})
+    except ValueError as exc:
+        print(f"p2psync bench --connect: {exc}", file=sys.stderr)
+        return 2
+    return _run_bench(args, lambda: run_connect_bench(opts), format_connect, "connect", verified, plot)
+
+
 def _run_bench(
     args: argparse.Namespace, run: Callable[[], dict[str, Any]], text: Callable[[dict[str, Any]], str], folder: str,
-    verified: Callable[[dict[str, Any]], bool],
+    verified: Callable[[dict[str, Any]], bool], draw: Callable[[dict[str, Any], Path], str] | None = None,
 ) -> int:
-    """Run a bench, print it (`text`, or JSON), save it into `--save`'s `folder`; 1 if it did not verify."""
+    """Run a bench, print it (`text`, or JSON), save it into `--save`'s `folder` (and `draw` its
+    plot beside it); 1 if it did not verify."""
     import json
-    from pathlib import Path
 
     from .bench import save
 
@@ -98,7 +139,10 @@ def _run_bench(
         return 2
     print(json.dumps(result, indent=2) if args.json else text(result))
     if args.save:
-        print(f"saved to {save(result, Path(args.save) / folder)}", file=sys.stderr)
+        path = save(result, Path(args.save) / folder)
+        print(f"saved to {path}", file=sys.stderr)
+        if draw is not None:
+            print(draw(result, path.with_suffix(".png")), file=sys.stderr)
     return 0 if verified(result) else 1
 
 
@@ -127,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="engine ranks: torch (default: the demo's dense Qwen3, full tensors per engine), sglang or vllm "
         "(the engine's own TP ranks of a Qwen3-MoE in bfloat16; needs sglang 0.5.23 or vllm 0.33.0 installed)",
     )
-    bench.add_argument("--engine-tp", type=int, default=2, help="TP ranks per sglang or vLLM engine (default 2)")
+    bench.add_argument("--engine-tp", type=int, help="TP ranks per sglang or vLLM engine (default 2; --connect: 4)")
     bench.add_argument(
         "--size", choices=sorted(CONFIGS) + sorted(MOE_CONFIGS),
         help=f"model size: {', '.join(sorted(CONFIGS))} for torch engines (default 100m), "
@@ -151,6 +195,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5],
                        help="--delta: the learning rates, each run in turn (default 1e-6 1e-5)")
     bench.add_argument("--raw-mib", type=int, default=512, help="size of the memcpy and raw transport measurements")
+    from .bench.archs import ARCHS
+
+    connect = bench.add_argument_group(
+        "--connect", "what a trainer rank's connect costs per phase (tables, rank models, layouts compiled, a second "
+        "compile), and its peak memory, for sglang or vLLM layouts of a growing MoE model, with no engine processes; "
+        "each configuration in a process of its own; fitted per structure and extrapolated to Kimi-K2 and the full "
+        "Qwen3-30B-A3B",
+    )
+    connect.add_argument("--connect", action="store_true", help="run the connect bench (needs --engine sglang or vllm)")
+    connect.add_argument("--arch", choices=ARCHS,
+                         help="the model's architecture and dimensions (default Qwen3-30B-A3B)")
+    connect.add_argument("--layers", type=int, nargs="+", help="decoder layer counts to sweep (default 1 2 4)")
+    connect.add_argument("--experts", type=int, nargs="+", help="routed expert counts to sweep (default 8 32)")
+    connect.add_argument("--hidden", type=int, nargs="+", help="hidden sizes to sweep (default: the architecture's)")
+    connect.add_argument("--vocab", type=int, nargs="+", help="vocabulary sizes to sweep (default 8192; the fit "
+                         "scales the embedding's cost to the architecture's own)")
+    connect.add_argument("--engine-ep", type=int, help="expert-parallel ranks (default: sglang --engine-tp, vLLM 1)")
+    connect.add_argument("--all-ranks", action="store_true", help="compile every engine rank's layout (default rank 0)")
+    connect.add_argument("--max-rss-gb", type=float, help="kill a configuration past this resident memory (default 6)")
+    connect.add_argument("--point-timeout", type=float, help="kill a configuration after these seconds (default 3600)")
     bench.add_argument("--json", action="store_true", help="print the result as JSON")
     bench.add_argument("--save", nargs="?", const="benchmarks/results", metavar="DIR",
                        help="also write the result as JSON into DIR (default benchmarks/results)")

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from ..core.transport import Transport
 
 #: Where engine adapters, tools and users import them from.
-__all__ = ["EndpointControl", "EndpointOptions", "EngineEndpoint", "EngineHooks"]
+__all__ = ["EndpointControl", "EndpointOptions", "EngineEndpoint", "EngineHooks", "offline_table"]
 
 log = logging.getLogger(__name__)
 
@@ -178,16 +178,7 @@ class EngineEndpoint:
             transport=self.transport.name,
             transport_info=self.transport_info,
             control_url=self.url,
-            params=tuple(
-                TargetParam(
-                    name=name,
-                    shape=tuple(t.shape),
-                    dtype=str(t.dtype).removeprefix("torch."),
-                    addr=t.data_ptr(),
-                    nbytes=t.numel() * t.element_size(),
-                )
-                for name, t in self.params.items()
-            ),
+            params=published_params(self.params),
             job_id=self.rendezvous.job_id,
             extra=self.extra,
             incarnation=self.requested_incarnation or 0,
@@ -307,3 +298,27 @@ class EngineEndpoint:
         return guarded
 
 
+
+
+def published_params(params: Mapping[str, torch.Tensor]) -> tuple[TargetParam, ...]:
+    """How a rank's table lists its parameters: names, shapes, dtypes, addresses and bytes."""
+    return tuple(
+        TargetParam(
+            name=name, shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."), addr=t.data_ptr(),
+            nbytes=t.numel() * t.element_size(),
+        )
+        for name, t in params.items()
+    )
+
+
+def offline_table(
+    engine: str, engine_id: str, rank: int, world_size: int, params: Mapping[str, torch.Tensor],
+    layout_key: dict[str, Any],
+) -> TargetTable:
+    """The table a rank holding `params` under `layout_key` publishes, made without serving it:
+    no transport, no control address, addresses as the tensors have them (0 on meta). For tools
+    that compile a connect's layouts with no engine running (`p2psync bench --connect`)."""
+    return TargetTable(
+        engine_id=engine_id, rank=rank, world_size=world_size, engine=engine, layout_key=layout_key,
+        transport="none", transport_info={}, control_url="", params=published_params(params),
+    )

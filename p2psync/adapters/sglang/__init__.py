@@ -2,14 +2,15 @@
 
 Public: `SglangEngineTarget` (the trainer side), `serve` (the engine side of a rank
 model), and for tools `serve_rank` (one TP rank built on CPU and served), `rank_params`
-(a rank's parameter shapes from sglang's model on meta) and `version` (sglang's, if this
+(a rank's parameter shapes from sglang's model on meta), `meta_table` (the table a rank
+publishes, made on meta without an engine) and `version` (sglang's, if this
 adapter supports it; else ImportError or RuntimeError saying why).
 Nothing here imports sglang until a layout is built or an endpoint served.
 """
 
 from .endpoint import serve
 from .shim import require_sglang as version
-from .standalone import rank_params, serve_rank
+from .standalone import meta_table, rank_params, serve_rank
 from .target import SglangEngineTarget
 
-__all__ = ["SglangEngineTarget", "rank_params", "serve", "serve_rank", "version"]
+__all__ = ["SglangEngineTarget", "meta_table", "rank_params", "serve", "serve_rank", "version"]

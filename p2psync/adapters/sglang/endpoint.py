@@ -39,10 +39,6 @@ def serve(
     By default `finish` runs sglang's post-load step (see `shim.post_load`). `options`:
     see `EndpointOptions` (`extra`: the server's URL, when serving inside one).
     """
-    import sglang
-
-    hf_config = hf_config_dict(model_config)
-    fp8_post_load = fp8_post_load_settings() if fp8_config(hf_config) else None
     if draft is not None:
         model = TargetAndDraft(model, draft)
     if options.get("hooks") is None:
@@ -53,11 +49,21 @@ def serve(
         rank=rank,
         world_size=int(server_args.tp_size),
         params={name: p.data for name, p in model.named_parameters()},
-        layout_key=layout_key(
-            server_args, hf_config, str(model_config.dtype), sglang.__version__, fp8_post_load,
-            draft_published=draft is not None,
-        ),
+        layout_key=rank_key(server_args, model_config, draft_published=draft is not None),
         transport=transport,
         rendezvous=rendezvous,
         **options,
+    )
+
+
+def rank_key(server_args: Any, model_config: Any, *, draft_published: bool = False) -> dict[str, Any]:
+    """The layout key a rank of this engine publishes (`key.layout_key`), from sglang's ServerArgs
+    and ModelConfig; fp8's post-load settings are read in this process, as the engine's own."""
+    import sglang
+
+    hf_config = hf_config_dict(model_config)
+    fp8_post_load = fp8_post_load_settings() if fp8_config(hf_config) else None
+    return layout_key(
+        server_args, hf_config, str(model_config.dtype), sglang.__version__, fp8_post_load,
+        draft_published=draft_published,
     )

@@ -1,7 +1,8 @@
 """sglang ranks outside an sglang server, for tools and tests: one TP rank's model served on
 CPU in this process (`p2psync bench --engine sglang` hands the broadcast path's full HF
 tensors to sglang's own loader, which keeps the rank's shard, as miles, slime and verl do),
-and a rank's parameters read from sglang's model on meta (`p2psync plan`'s shapes).
+a rank's parameters read from sglang's model on meta (`p2psync plan`'s shapes), and the table a
+rank publishes, made on meta with no engine running (`p2psync bench --connect`).
 sglang is imported only when a function is called.
 """
 
@@ -15,8 +16,9 @@ from .shim import RankSpec, build_rank_model
 if TYPE_CHECKING:
     import torch
 
-    from ...engine.endpoint import EngineEndpoint
     from ...core.rendezvous import Rendezvous
+    from ...core.types import TargetTable
+    from ...engine.endpoint import EngineEndpoint
 
 
 def rank_params(
@@ -26,6 +28,20 @@ def rank_params(
     with its experts over `ep`."""
     model = build_rank_model(RankSpec(dict(hf_config), tp, ep, dtype, rank), "meta").model
     return [(name, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for name, p in model.named_parameters()]
+
+
+def meta_table(
+    hf_config: Mapping[str, Any], *, tp: int, ep: int = 1, rank: int, dtype: str = "bfloat16",
+    engine_id: str = "sglang-0",
+) -> TargetTable:
+    """The table TP rank `rank` of an engine of `tp` ranks (experts over `ep`) publishes, its
+    model built on meta: the layout key `serve` makes, no transport, every address 0."""
+    from ...engine.endpoint import offline_table
+    from .endpoint import rank_key
+
+    built = build_rank_model(RankSpec(dict(hf_config), tp, ep, dtype, rank), "meta")
+    params = {name: p.data for name, p in built.model.named_parameters()}
+    return offline_table("sglang", engine_id, rank, tp, params, rank_key(built.server_args, built.model_config))
 
 
 def serve_rank(

@@ -2,12 +2,13 @@
 bit for bit, the engine-side endpoint, and a vLLM weight-transfer backend.
 
 Public for tools: `serve_rank` (one TP rank built on CPU and served), `rank_params`
-(a rank's parameter shapes from vLLM's model on meta) and `version` (vLLM's, if this
+(a rank's parameter shapes from vLLM's model on meta), `meta_table` (the table a rank
+publishes, made on meta without an engine) and `version` (vLLM's, if this
 adapter supports it; else ImportError or RuntimeError saying why).
 Importing this package does not import vLLM; the modules that need it import it lazily.
 """
 
 from .shim import version
-from .standalone import rank_params, serve_rank
+from .standalone import meta_table, rank_params, serve_rank
 
-__all__ = ["rank_params", "serve_rank", "version"]
+__all__ = ["meta_table", "rank_params", "serve_rank", "version"]
