@@ -35,8 +35,10 @@ ASSUMPTIONS = (
     "layers are shared as measured: a model compiles as many decoder layers as the measured point with the most "
     "layers compiled and renames the others (as many groups per layer as there); where no point shared, every "
     "layer is compiled",
-    "every trainer rank compiles every engine rank's layout of its group (today's connect): a trainer rank's "
-    "connect is the sum over the engine's TP ranks, each costing what the measured ranks cost",
+    "the trainer ranks share the compile (trainer/layouts.py splits the units over the world and exchanges "
+    "them): with at least as many trainer ranks as the engine's TP ranks, each compiles at most one engine "
+    "rank's layout, so a trainer rank's connect costs one rank's compile (the exchange is not measured here; "
+    "one trainer rank alone would pay TP of them)",
     "peak memory: the largest, over structures, of the fitted bytes per input element of that structure's largest "
     "group (from the group structures the points compiled) times its elements",
 )
@@ -208,7 +210,7 @@ def extrapolate(fitted: dict[str, Any], points: Sequence[dict[str, Any]], target
     return out | {
         "parameters": sum(archs.elements(specs).values()), **structures, "experts_per_rank": experts_per_rank,
         "compiled_layers": compiled_layers, "shared_groups": work.shared_groups,
-        "seconds_per_engine_rank": per_rank, "seconds_per_connect": per_rank * target.tp,
+        "seconds_per_engine_rank": per_rank, "seconds_per_connect": per_rank,
         "seconds_by_structure": {s: parts[i] + parts[i + n] for i, s in enumerate(archs.STRUCTURES)}
         | {"renamed": parts[-1]},
         "largest_group_by_structure": largest,
