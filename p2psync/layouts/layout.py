@@ -255,14 +255,13 @@ class EngineLayout(Layout):
         random = _read_at_random([s for s in inputs if s.name in sample], [b for c in checked for b in c], group.outputs[0])
         flat = {name: t.view(-1) for name, t in random}
 
-        def views(out: torch.Tensor) -> dict[str, torch.Tensor]:
-            return {s.name: s.view(out) for s in slots}
-
         def write(out: torch.Tensor) -> None:
             for slot, blocks in zip(slots, checked):
                 replay(blocks, flat, slot.view(out).view(-1))
 
-        if not writes_like_loader(rank_model.load, self._holders, views, random, group.nbytes, self._mutated, write):
+        if not writes_like_loader(
+            rank_model.load, self._holders, _viewer(slots), random, group.nbytes, self._mutated, write
+        ):
             log.debug("%s: its traced copies differ from the loader", where(self.table.engine_id, self.table.rank, group.outputs[0]))
             return None
         params = []
@@ -279,8 +278,7 @@ class EngineLayout(Layout):
         outputs = group.outputs
         random = _random_inputs(inputs, outputs[0])
         reference, written = written_bytes(
-            rank_model.load, self._holders, lambda out: {s.name: s.view(out) for s in slots}, random,
-            group.nbytes, self._mutated,
+            rank_model.load, self._holders, _viewer(slots), random, group.nbytes, self._mutated,
         )
         maps = None
         if mode == "copy_map":
@@ -336,6 +334,11 @@ def _renamed_group(group: _Group, names: Mapping[str, str]) -> _Group:
         ],
         group.traced,
     )
+
+
+def _viewer(slots: Sequence[_Slot]) -> Callable[[torch.Tensor], dict[str, torch.Tensor]]:
+    """What cuts a group's buffer into its parameters' views."""
+    return lambda out: {s.name: s.view(out) for s in slots}
 
 
 def _written_runs(blocks: Sequence[Block]) -> list[tuple[int, int]] | None:

@@ -70,12 +70,7 @@ def written_bytes(
     """The loader's bytes for `inputs`, and which bytes it writes (a bool mask), over a buffer of
     `nbytes` that `views(buffer)` cuts into the parameters. Inputs named in `mutated` (the
     loader changes them in place) are given to each run as copies, so both runs see the same."""
-    runs = []
-    for pattern in (0x00, 0xFF):
-        out = torch.full((nbytes,), pattern, dtype=torch.uint8)
-        with holders.backed(views(out)):
-            load([(name, t.clone() if name in mutated else t) for name, t in inputs])
-        runs.append(out)
+    runs = [_loaded(load, holders, views, inputs, nbytes, mutated, pattern) for pattern in (0x00, 0xFF)]
     return runs[0], (runs[0] != 0x00) | (runs[1] != 0xFF)
 
 
@@ -89,14 +84,23 @@ def writes_like_loader(
     then both write the same bytes (a byte only one of them wrote would have to equal both
     fills) with the same values. Two buffers at a time, no masks."""
     for pattern in (0x00, 0xFF):
-        loaded = torch.full((nbytes,), pattern, dtype=torch.uint8)
-        with holders.backed(views(loaded)):
-            load([(name, t.clone() if name in mutated else t) for name, t in inputs])
+        loaded = _loaded(load, holders, views, inputs, nbytes, mutated, pattern)
         written = torch.full((nbytes,), pattern, dtype=torch.uint8)
         write(written)
         if not torch.equal(loaded, written):
             return False
     return True
+
+
+def _loaded(
+    load: Loader, holders: ParameterHolders, views: Callable[[torch.Tensor], dict[str, torch.Tensor]],
+    inputs: Sequence[tuple[str, torch.Tensor]], nbytes: int, mutated: Collection[str], pattern: int,
+) -> torch.Tensor:
+    """A buffer of `nbytes` prefilled with `pattern` bytes after the loader wrote `inputs` into it."""
+    out = torch.full((nbytes,), pattern, dtype=torch.uint8)
+    with holders.backed(views(out)):
+        load([(name, t.clone() if name in mutated else t) for name, t in inputs])
+    return out
 
 
 @dataclass

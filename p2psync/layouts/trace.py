@@ -226,8 +226,7 @@ class _Tracer(TorchDispatchMode):
         digits = _dense_digits(tuple(t.shape), tuple(t.stride()), affine[1]) if affine is not None else None
         if affine is None or digits is None:
             return _OPAQUE
-        dtypes = m.dtypes if t.dtype == m.dtypes[-1] else (*m.dtypes, t.dtype)
-        return _Copied(m.source, t.element_size(), int(t.storage_offset()), digits, affine[0], dtypes)
+        return _Copied(m.source, t.element_size(), int(t.storage_offset()), digits, affine[0], _through(m, t.dtype))
 
     def _cat_of(self, parts: Sequence[torch.Tensor], dim: int, t: torch.Tensor) -> object:
         """The map of storage `t`, `torch.cat(parts, dim)`: pieces where `dim` is the outermost
@@ -246,8 +245,8 @@ class _Tracer(TorchDispatchMode):
             digits = _dense_digits(tuple(part.shape), _contiguous(tuple(part.shape)), affine[1]) if affine else None
             if affine is None or digits is None:
                 return _OPAQUE
-            dtypes = m.dtypes if t.dtype == m.dtypes[-1] else (*m.dtypes, t.dtype)
-            pieces.append((start, start + part.numel(), _Copied(m.source, t.element_size(), start, digits, affine[0], dtypes)))
+            piece = _Copied(m.source, t.element_size(), start, digits, affine[0], _through(m, t.dtype))
+            pieces.append((start, start + part.numel(), piece))
             start += part.numel()
         if tuple(t.stride()) != _contiguous(tuple(t.shape)):
             return _OPAQUE
@@ -475,6 +474,11 @@ def _constant_blocks(dst: torch.Tensor, value: float) -> list[Block] | None:
         if len(starts) > _MAX_BLOCKS_PER_WRITE:
             return None
     return [Block(None, (n,), start, (1,), value=value) for start in sorted(starts)]
+
+
+def _through(m: _Copied, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The dtypes `m`'s values passed through, once copied into `dtype`."""
+    return m.dtypes if dtype == m.dtypes[-1] else (*m.dtypes, dtype)
 
 
 def _holds(wide: torch.dtype, narrow: torch.dtype) -> bool:
