@@ -155,6 +155,9 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
+#: How a result's trainer reads (results before `--trainer` ran FSDP2).
+TRAINER_NAMES = {"fsdp2": "FSDP2", "megatron": "Megatron-Core (TP = EP = ranks)"}
+
 #: The prefix of each p2psync way's memory figures (transfer buffers, largest gathered group, gathers' peak).
 MEMORY_KEYS = {"p2p": "", "gather-free": "gather-free_"}
 
@@ -162,9 +165,10 @@ MEMORY_KEYS = {"p2p": "", "gather-free": "gather-free_"}
 def trainer_memory(memory: Mapping[str, int], gathers_of: Mapping[str, str]) -> dict[str, Any]:
     """One trainer rank's memory figures, with each p2psync way's bound: what an update may add
     to the rank's RSS, from the first update on, is its two transfer buffers (their pages are
-    first touched then), its largest gathered parameter group, and one bucket's gathers as the
-    trainer does them (`gathers_of[way]`: that step, timed alone in the same run; FSDP2 over
-    gloo holds the gathered bucket, gloo's flat copy of it and the padded shards at once),
+    first touched then), its largest gathered parameter group, and two buckets' gathers (one
+    bucket is produced while the next is gathered), each as the trainer does them
+    (`gathers_of[way]`: that step, timed alone in the same run; FSDP2 over gloo holds the
+    gathered bucket, gloo's flat copy of it and the padded shards at once),
     beside `INTERPRETER_BYTES` of the interpreter's own. Gather-free, only the groups that are
     not copies are gathered: with none, its bound is its transfer buffers alone."""
     out: dict[str, Any] = dict(memory)
@@ -175,7 +179,7 @@ def trainer_memory(memory: Mapping[str, int], gathers_of: Mapping[str, str]) -> 
         peak = max(memory.get(f"{gathers}_first_added_bytes", 0), memory.get(f"{gathers}_later_added_bytes", 0))
         out[f"{prefix}gathers_peak_bytes"] = peak
         out["interpreter_bytes"] = INTERPRETER_BYTES
-        bound = memory[f"{prefix}transfer_buffers_bytes"] + memory[f"{prefix}largest_group_bytes"] + peak
+        bound = memory[f"{prefix}transfer_buffers_bytes"] + memory[f"{prefix}largest_group_bytes"] + 2 * peak
         out[f"{way}_bound_bytes"] = bound + INTERPRETER_BYTES
         added = max(memory[f"{way}_first_added_bytes"], memory.get(f"{way}_later_added_bytes", 0))
         out[f"{way}_within_bound"] = added <= out[f"{way}_bound_bytes"]
@@ -190,7 +194,7 @@ def format_report(result: Mapping[str, Any]) -> str:
     load = [m["load_average"][0] for m in (result["limits"], result["limits_after"])]
     lines = [
         f"model {model['size']}: {model['parameters']:,} parameters, {_mb(model['bytes'])} ({model['dtype']}); "
-        f"{s['trainers']} FSDP2 trainer ranks -> {s['engines']} {engine['kind']} engines "
+        f"{s['trainers']} {TRAINER_NAMES[s.get('trainer', 'fsdp2')]} trainer ranks -> {s['engines']} {engine['kind']} engines "
         f"({engine['tp']} rank{'s' if engine['tp'] > 1 else ''} each, {engine['dtype']}); transport "
         f"{s['transport']['transport']} ({s['transport'].get('protocol', '-')}); median of {s['updates']} updates "
         f"after "
@@ -253,8 +257,9 @@ def _memory_line(trainer: str, m: Mapping[str, Any], ways: Sequence[str]) -> str
             prefix = MEMORY_KEYS[way]
             line += (
                 f"; bound {_mb(m[f'{way}_bound_bytes'])} = 2 transfer buffers {_mb(m[f'{prefix}transfer_buffers_bytes'])}"
-                f" + largest gathered group {_mb(m[f'{prefix}largest_group_bytes'])} + one bucket's gathers "
-                f"{_mb(m[f'{prefix}gathers_peak_bytes'])} (alone, at their peak) + the interpreter's "
+                f" + largest gathered group {_mb(m[f'{prefix}largest_group_bytes'])} + two buckets' gathers "
+                f"(one produced, the next gathered) 2 x {_mb(m[f'{prefix}gathers_peak_bytes'])} (alone, at their "
+                f"peak) + the interpreter's "
                 f"{_mb(m['interpreter_bytes'])}: {'within' if m[f'{way}_within_bound'] else 'OVER'}"
             )
         parts.append(line)

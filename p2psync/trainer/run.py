@@ -1,9 +1,10 @@
 """One update, on one trainer rank: pause, send, verify, report.
 
 World rank 0 pauses the engines (and renews their leases as buckets go by). Every rank
-first writes its own parts of the gather-free groups, then gathers each bucket and, for
-the units the plan gave it, fills a free transfer buffer through the layout and hands
-the writes to each engine's write thread while it fills the other buffer. Once every
+first writes its own parts of the gather-free groups, then gathers each bucket (a thread
+gathering the next while this one is produced: `gather_ahead`) and, for the units the
+plan gave it, fills a free transfer buffer through the layout and hands the writes to
+each engine's write thread while it fills the other buffer. Once every
 write landed: the optional digest check, the report (the same on every rank) and, on
 world rank 0, the finish calls of the engines whose writes all landed.
 """
@@ -31,6 +32,7 @@ from .buffers import Lease
 from .calls import UpdateCalls
 from .compiler import UnitWrites
 from .connection import Connection
+from .gather_ahead import GatherAhead
 from .gatherfree import Packing
 from .modes import UpdateMode
 from .writer import WriteJob
@@ -45,6 +47,20 @@ log = logging.getLogger(__name__)
 Fill = tuple[int, Callable[[Any], list[Region]], Slotted]
 #: Per engine, what this rank's writes did: bytes per engine rank, seconds to the last, error.
 WriteStatus = dict[str, tuple[dict[int, int], float, str | None]]
+
+
+@dataclass
+class Steps:
+    """The caller's `progress(done, total)`, told after each step of an update."""
+
+    progress: Callable[[int, int], None] | None
+    total: int
+    count: int = 0
+
+    def done(self) -> None:
+        self.count += 1
+        if self.progress is not None:
+            self.progress(self.count, self.total)
 
 
 @dataclass
@@ -89,8 +105,9 @@ class UpdateRun:
             if engine in self.failed:
                 writer.fail(self.failed[engine])
 
-        packed = self._send_gather_free()
-        produced = self._send_gathered(progress)
+        steps = Steps(progress, len(self.compiled.packed) + len(self.compiled.buckets))
+        packed = self._send_gather_free(steps)
+        produced = self._send_gathered(steps)
         for writer in self.conn.writers.values():
             writer.wait()
         self.clock.lap("drain")
@@ -117,7 +134,7 @@ class UpdateRun:
         if self.settings.rank == 0:
             self.calls.progressed(self.failed)
 
-    def _send_gather_free(self) -> list[tuple[UnitWrites, dict[str, Produced]]]:
+    def _send_gather_free(self, steps: Steps) -> list[tuple[UnitWrites, dict[str, Produced]]]:
         """Write this rank's own parts of every gather-free group."""
         out = []
         if self.compiled.packed:
@@ -128,30 +145,35 @@ class UpdateRun:
                 self._send(writes, fills, sent)
                 out.append((writes, sent))
                 self._progressed()
+                steps.done()
             del shards
             self.clock.lap("produce")
         return out
 
-    def _send_gathered(
-        self, progress: Callable[[int, int], None] | None
-    ) -> list[tuple[UnitWrites, dict[str, Produced]]]:
+    def _send_gathered(self, steps: Steps) -> list[tuple[UnitWrites, dict[str, Produced]]]:
         """Gather each bucket and write the groups the plan gave this rank."""
         produced: dict[str, dict[str, Produced]] = defaultdict(dict)  # unit -> parameter -> what was sent
         units: dict[str, UnitWrites] = {}
         buckets = self.compiled.buckets
-        for i, names in enumerate(buckets):
-            casts = {n: self.compiled.gather_dtypes[n] for n in names if n in self.compiled.gather_dtypes}
-            tensors = self.source.gather_cast(names, casts)
-            self.clock.lap("gather")
-            for writes, groups in self.compiled.work[i]:
-                units.setdefault(writes.unit, writes)
-                fills: list[Fill] = [(g.nbytes, functools.partial(writes.layout.fill, g, tensors), g) for g in groups]
-                self._send(writes, fills, produced[writes.unit])
-            self.clock.lap("produce")
-            del tensors
-            self._progressed()
-            if progress is not None:
-                progress(i + 1, len(buckets))
+        dtypes = self.compiled.gather_dtypes
+        ahead = GatherAhead(lambda names: self.source.gather_cast(names, {n: dtypes[n] for n in names if n in dtypes}),
+                            buckets)
+        try:
+            for i, tensors in ahead:
+                self.clock.lap("gather")  # waiting for this bucket's gathers, once production is ahead of them
+                for writes, groups in self.compiled.work[i]:
+                    units.setdefault(writes.unit, writes)
+                    fills: list[Fill] = [
+                        (g.nbytes, functools.partial(writes.layout.fill, g, tensors), g) for g in groups
+                    ]
+                    self._send(writes, fills, produced[writes.unit])
+                    del fills  # the bucket's tensors go once the next is asked for
+                self.clock.lap("produce")
+                del tensors
+                self._progressed()
+                steps.done()
+        finally:
+            ahead.close()
         return [(writes, produced[unit]) for unit, writes in units.items()]
 
     def _send(self, writes: UnitWrites, fills: list[Fill], produced: dict[str, Produced]) -> None:

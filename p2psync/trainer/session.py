@@ -157,7 +157,8 @@ class Session:
 
         Collective over the trainer world. Returns the same report on every rank;
         engines whose writes or checks failed are left paused and listed as stale.
-        `progress(done, total)` is called after each bucket. A failure on the trainer
+        `progress(done, total)` is called after each step: each unit this rank sends
+        gather-free, then each bucket it gathers. A failure on the trainer
         side (a lost trainer rank, a failed gather, an exception from `progress`)
         raises UpdateError (TrainerLost naming the lost ranks); the engines paused for
         this update are not resumed, and the session cannot update again. In delta
