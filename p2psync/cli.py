@@ -63,7 +63,7 @@ def _demo(args: argparse.Namespace) -> int:
 _CONNECT_ONLY = (
     "arch", "layers", "experts", "hidden", "vocab", "engine_ep", "all_ranks", "max_rss_gb", "point_timeout",
 )
-_NOT_CONNECT = ("size", "ways", "engine_dtype", "delta")
+_NOT_CONNECT = ("size", "ways", "engine_dtype", "delta", "trainer")
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -80,12 +80,16 @@ def _bench(args: argparse.Namespace) -> int:
         size=args.size or ("100m" if args.engine == "torch" else "moe"), trainers=args.trainers, engines=args.engines,
         updates=args.updates, warmup=args.warmup, transport=args.transport, raw_bytes=args.raw_mib << 20,
         engine=args.engine, engine_tp=2 if args.engine_tp is None else args.engine_tp, ways=tuple(args.ways or ()),
-        engine_dtype=args.engine_dtype, delta_lrs=tuple(args.lr),
+        engine_dtype=args.engine_dtype, delta_lrs=tuple(args.lr), trainer=args.trainer or "fsdp2",
     )
-    if args.gather != "always" and not args.delta:
+    if args.delta and args.trainer not in (None, "fsdp2"):
+        print("p2psync bench: --delta runs FSDP2 trainer ranks", file=sys.stderr)
+        return 2
+    if args.gather is not None and not args.delta:
         print("p2psync bench: --gather is for --delta (the other bench compares both ways itself)", file=sys.stderr)
         return 2
-    opts.session = SessionOptions.of(opts.session, gather=args.gather)
+    if args.gather is not None:
+        opts.session = SessionOptions.of(opts.session, gather=args.gather)
     if args.delta:
         from .bench.delta import format_delta, run_delta_bench
 
@@ -162,6 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.set_defaults(func=_demo)
     from .bench.engines import KINDS
     from .bench.model import MOE_CONFIGS
+    from .bench.options import TRAINERS
     from .bench.ways import WAYS
     from .demo import CONFIGS
 
@@ -178,6 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{', '.join(sorted(MOE_CONFIGS))} (Qwen3-MoE) for sglang and vllm (default moe)",
     )
     bench.add_argument("--trainers", type=int, default=2)
+    bench.add_argument("--trainer", choices=TRAINERS,
+                       help="fsdp2 (default), or megatron: Megatron-Core with TP and, for the experts, EP over the trainer ranks "
+                       "(sglang and vLLM engines)")
     bench.add_argument("--engines", type=int, default=2)
     bench.add_argument("--updates", type=int, default=3, help="timed updates per way (the median is reported)")
     bench.add_argument("--warmup", type=int, default=1, help="untimed updates per way before them")
@@ -189,9 +197,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--delta", action="store_true",
                        help="delta updates against full ones and the broadcast, the trainer taking AdamW steps "
                        "(torch engines)")
-    bench.add_argument("--gather", choices=["always", "auto"], default="always",
-                       help="--delta: how the delta session sends (auto: gather-free, each rank's deltas of its own "
-                       "shards; the full update and the broadcast gather)")
+    bench.add_argument("--gather", choices=["always", "auto"],
+                       help="--delta: how the delta session sends (default auto, the session's default: gather-free, "
+                       "each rank's deltas of its own shards; always: gathered; the full update and the broadcast "
+                       "gather)")
     bench.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5],
                        help="--delta: the learning rates, each run in turn (default 1e-6 1e-5)")
     bench.add_argument("--raw-mib", type=int, default=512, help="size of the memcpy and raw transport measurements")

@@ -126,7 +126,8 @@ def start_rank(index: int, opts: BenchOptions, port: int) -> EngineRank:
 
 
 def start_trainer(rank: int, opts: BenchOptions, port: int) -> tuple[Rendezvous, Any]:
-    """Join the trainer world; return the rendezvous and the FSDP2 source of the model."""
+    """Join the trainer world; return the rendezvous and the trainer source of the model:
+    FSDP2's, or Megatron-Core's (TP and, for the experts, EP over every trainer rank)."""
     from ..adapters.fsdp2 import FSDP2Source
     from ..worlds import join_trainer_world, start_fsdp2
 
@@ -136,6 +137,14 @@ def start_trainer(rank: int, opts: BenchOptions, port: int) -> tuple[Rendezvous,
     from . import model
 
     rendezvous = join_trainer_world(rank, opts, port)
+    if opts.trainer == "megatron":
+        from ..adapters.megatron import MegatronSource
+        from ..worlds.megatron import Case, load_hf, megatron_model
+
+        case = Case("qwen3_moe", tp=opts.trainers, ep=opts.trainers)
+        module = megatron_model(case, model.hf_config(opts.size))
+        load_hf(module, model.hf_tensors(opts.size), "qwen3_moe")  # replicated tensors (the router) equal on every rank
+        return rendezvous, MegatronSource(module, "qwen3_moe")
     module = model.build(opts.size)
     model.shard(module)
     return rendezvous, FSDP2Source(module, name_map=model.hf_name)

@@ -62,19 +62,26 @@ def _param_name(hf: str) -> str:
     return hf.replace(".", "__")
 
 
-def build(size: str, seed: int = 0) -> torch.nn.Module:
-    """Random float32 HF tensors of `size`'s Qwen3-MoE, one submodule per decoder layer."""
+def hf_tensors(size: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random float32 HF tensors of `size`'s Qwen3-MoE, the same for a seed on every rank."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=generator) * 0.05 for name, shape in sorted(hf_shapes(size).items())}
+
+
+def build(size: str, seed: int = 0) -> torch.nn.Module:
+    """`hf_tensors` as parameters, one submodule per decoder layer."""
+    import torch
+
     root = torch.nn.Module()
     root.layers = torch.nn.ModuleList()
     rest = torch.nn.Module()
     layers: dict[int, torch.nn.Module] = {}
-    for name, shape in sorted(hf_shapes(size).items()):
+    for name, tensor in hf_tensors(size, seed).items():
         match = _LAYER.match(name)
         owner = rest if match is None else layers.setdefault(int(match[1]), torch.nn.Module())
-        owner.register_parameter(_param_name(name), torch.nn.Parameter(torch.randn(shape, generator=generator) * 0.05))
+        owner.register_parameter(_param_name(name), torch.nn.Parameter(tensor))
     for index in sorted(layers):
         root.layers.append(layers[index])
     root.rest = rest

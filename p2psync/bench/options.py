@@ -11,14 +11,21 @@ from ..demo import DemoOptions
 from ..trainer.options import SessionOptions
 
 
+#: The bench's trainers.
+TRAINERS = ("fsdp2", "megatron")
+
+
 @dataclass
 class BenchOptions(DemoOptions):
-    """What one bench run does: the demo's model, trainers, engines and transport, the engine
-    kind (`engines.KINDS`) and its ranks per engine, the ways to compare (empty: all the
+    """What one bench run does: the demo's model, trainers, engines and transport, the trainer
+    (`TRAINERS`), the engine kind (`engines.KINDS`) and its ranks per engine, the ways to compare (empty: all the
     engines offer), untimed warm-up updates per way and the size of the raw measurements."""
 
     engine: str = "torch"
     engine_tp: int = 2
+    #: The trainer: "fsdp2" (dim-0 shards) or "megatron" (Megatron-Core, TP over the trainer
+    #: ranks and EP over them for the experts; sglang and vLLM engines' Qwen3-MoE).
+    trainer: str = "fsdp2"
     ways: tuple[str, ...] = ()
     warmup: int = 1
     raw_bytes: int = 512 << 20

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ..worlds import launch
 from ..core.types import ParamSpec, numel
 from . import broadcast, engines, limits, results, rss, verify
-from .options import BenchOptions
+from .options import TRAINERS, BenchOptions
 from .report import summary
 from .ways import WAYS, BroadcastWay, P2PWay, Way, make_ways
 
@@ -112,13 +112,13 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
     ids = engines.engine_ids(opts)
     for engine in ids:  # engine ranks build their models first: wait longer than connect does
         rendezvous.read_engine(engine, timeout=GROUP_TIMEOUT)
-    session = Session(source=source, transport=opts.transport, rendezvous=rendezvous, options=opts.session)
+    session = Session(
+        source=source, transport=opts.transport, rendezvous=rendezvous, options=opts.session, gather="always"
+    )
     session.connect(ids)
     gather_free = None
     if "gather-free" in ways_for(opts):
-        gather_free = Session(
-            source=source, transport=session.transport, rendezvous=rendezvous, options=opts.session, gather="auto"
-        )
+        gather_free = Session(source=source, transport=session.transport, rendezvous=rendezvous, options=opts.session)
         gather_free.connect(ids)
     buckets = session.stats().buckets  # the broadcast gathers the same buckets: only the way of sending differs
     dtype = engines.engine_dtype(opts)
@@ -196,6 +196,7 @@ def _setup(opts: BenchOptions, specs: list[ParamSpec], transport: dict[str, Any]
             "dtype": ",".join(sorted({s.dtype for s in specs})),
         },
         "trainers": opts.trainers,
+        "trainer": opts.trainer,
         "engines": opts.engines,
         "engine": {
             "kind": opts.engine, "tp": engines.tp(opts), "dtype": engines.engine_dtype(opts) or "trainer's",
@@ -271,6 +272,10 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         raise ValueError(f"unknown engine kind {opts.engine!r}; choose one of {engines.KINDS}")
     if opts.size not in engines.sizes(opts.engine):
         raise ValueError(f"{opts.engine} engines run sizes {engines.sizes(opts.engine)}, not {opts.size!r}")
+    if opts.trainer not in TRAINERS:
+        raise ValueError(f"unknown trainer {opts.trainer!r}; choose one of {TRAINERS}")
+    if opts.trainer != "fsdp2" and opts.engine == "torch":
+        raise ValueError(f"the {opts.trainer} trainer runs the sglang and vLLM engines' Qwen3-MoE, not torch engines")
     ways_for(opts)
     about = {"machine": results.machine(), "versions": results.versions(opts.engine), "started": time.time()}
     before = limits.measure_apart(opts.raw_bytes, opts.transport)

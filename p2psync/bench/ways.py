@@ -6,9 +6,10 @@ buckets, and the dtype each HF tensor is gathered in), so that the bench can tim
 gathers alone, and what it moved (bytes sent by this rank, measured) and where its time
 went (`phase_seconds`). To add a way, subclass `Way` and add it in `make_ways`.
 
-- `p2p`: a p2psync `Session` (gathers cast to the engines' dtype where the layouts only copy).
-- `gather-free`: a p2psync `Session(gather="auto")`: each trainer rank writes the part its
-  own shards feed of every target, without a gather, where the layouts only copy.
+- `p2p`: p2psync's gathering session, `Session(gather="always")` (gathers cast to the
+  engines' dtype where the layouts only copy).
+- `gather-free`: p2psync's default session (`gather="auto"`): each trainer rank writes the
+  part its own shards feed of every target, without a gather, where the layouts only copy.
 - `broadcast`: the best broadcast a user can build from the same pieces (see `broadcast`):
   gathers already cast to the engines' dtype, one flat buffer per bucket, the next bucket's
   gathers overlapping this one's broadcast.
@@ -79,7 +80,7 @@ def _barrier() -> None:
 class P2PWay(Way):
     """p2psync: `Session.update`."""
 
-    def __init__(self, session: Session, name: str = "p2p", description: str = "p2psync") -> None:
+    def __init__(self, session: Session, name: str, description: str) -> None:
         self.session = session
         self.name, self.description = name, description
         #: Bytes of an update this rank sends gather-free and produces from gathers (the session is connected).
@@ -186,9 +187,10 @@ def make_ways(
 ) -> list[Way]:
     """The ways `names` asks for, in that order; `engine_dtype` None: the engines hold the
     trainer's dtype (then `broadcast-fp32` would be `broadcast` again, and is left out);
-    `gather_free`: the connected `Session(gather="auto")` of the gather-free way."""
+    `session`: the connected gathering session; `gather_free`: the connected default
+    session (`gather="auto"`) of the gather-free way."""
     available: dict[str, Callable[[], Way]] = {
-        "p2p": lambda: P2PWay(session),
+        "p2p": lambda: P2PWay(session, "p2p", "p2psync, gathering: Session(gather=\"always\")"),
         "broadcast": lambda: BroadcastWay(
             "broadcast", "broadcast, gathers in the engines' dtype (cast before the all-gather), overlapped with the "
             "broadcasts", source,
@@ -197,7 +199,7 @@ def make_ways(
     }
     if gather_free is not None:
         available["gather-free"] = lambda: P2PWay(
-            gather_free, "gather-free", "p2psync, gather-free: each trainer rank writes its own shards' part"
+            gather_free, "gather-free", "p2psync's default session, gather-free: each trainer rank writes its own shards' part"
         )
     if engine_dtype is not None:
         available["broadcast-fp32"] = lambda: BroadcastWay(

@@ -85,10 +85,11 @@ class Connector:
         )
         conn.compiled = compiled = compile_connection(conn.tables, layouts, sender, held)
         if self.options.gather == "auto" and not any(held):
-            compiled.degraded.append(
-                f"gather-free: the trainer source {self.source.name!r} describes no local shards; "
-                "every HF tensor is gathered"
-            )
+            gathers = f"the trainer source {self.source.name!r} describes no local shards; every HF tensor is gathered"
+            if len(self.group.ranks) > 1:  # all-gathers where each rank could have sent its own part
+                compiled.degraded.append(f"gather-free: {gathers}")
+            else:  # one sender holds every tensor whole: its gathers move nothing
+                log.info("%s (one sender rank: nothing is all-gathered)", gathers)
         for note in compiled.degraded:
             log.warning("%s", note)
         need = compiled.buffer_bytes(self.options.bucket_bytes)

@@ -44,7 +44,8 @@ def parse_delta(value: bool | Mapping[str, object] | DeltaOptions | None) -> Del
 class SessionOptions:
     """How a Session moves weights; the same on every trainer rank.
 
-    `bucket_bytes` bounds what is gathered at once; `transfer_timeout` bounds every write
+    `bucket_bytes` bounds one bucket's gathers (a bucket is produced while the next is
+    gathered: two are held at once); `transfer_timeout` bounds every write
     and control call; `check` compares a digest of every parameter each engine holds with
     what was sent; `token` is the job's secret that engines check (None: the
     rendezvous's); `transport_options` configure a transport given by name;
@@ -52,9 +53,9 @@ class SessionOptions:
     keyword options per engine kind, e.g. `{"vllm": {"layout": "replica"}}`.
     `update_lease` (None: four times `transfer_timeout`) is how long an engine paused for
     an update waits for the trainer to make progress before it abandons the update and
-    marks itself stale. `gather`: "always" gathers every HF tensor before producing
-    bytes; "auto" sends groups that are copies of the ranks' own shards without a gather
-    and gathers the rest. `delta` (True, `DeltaOptions` or their mapping) sends each
+    marks itself stale. `gather`: "auto" (the default) sends every group whose bytes are
+    copies of the ranks' own shards without a gather, each rank writing its own part, and
+    gathers the rest; "always" gathers every HF tensor before producing bytes. `delta` (True, `DeltaOptions` or their mapping) sends each
     target only what changed since the bytes it holds. `layout_cache_dir` (default
     `$P2PSYNC_CACHE_DIR`; None: none) keeps compiled layouts on disk for later processes;
     every rank and job may share it.
@@ -69,7 +70,7 @@ class SessionOptions:
     pin_memory: bool = False
     engine_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     update_lease: float | None = None
-    gather: Literal["auto", "always"] = "always"
+    gather: Literal["auto", "always"] = "auto"
     delta: bool | Mapping[str, Any] | DeltaOptions | None = None
     layout_cache_dir: str | None = field(default_factory=lambda: os.environ.get("P2PSYNC_CACHE_DIR") or None)
 

@@ -61,7 +61,7 @@ def megatron_model(case: Case, hf: Mapping[str, Any]) -> Any:
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(case.tp, case.pp, expert_model_parallel_size=case.ep,
                                  expert_tensor_parallel_size=case.etp)
-    experts = hf.get("num_experts") or hf.get("n_routed_experts")
+    experts = hf.get("num_experts") or hf.get("n_routed_experts") or hf.get("num_local_experts")
     mla = case.arch == "deepseek_v3"
     config = (MLATransformerConfig if mla else TransformerConfig)(
         num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],

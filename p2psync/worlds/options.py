@@ -4,7 +4,8 @@ another for its types.
 
 A world's trainer kind is a trainer source's name, or "<source>/<way>" (e.g.
 "fsdp2/gather-free", "fsdp2/delta", "fsdp2/gather-free+delta") where its session updates
-another way.
+another way. A plain kind's session gathers every HF tensor (`gather="always"`), so that
+the gathering path stays tested beside the default gather-free one.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from .models import ModelSpec
 if TYPE_CHECKING:
     from ..core.report import UpdateReport
 
-#: The session options of a trainer kind's way of updating (see the module's docstring).
+#: The session options of a trainer kind's way of updating (see the module's docstring):
+#: gather-free is the session's default (`gather="auto"`), so its rows run a session built
+#: without a `gather` argument.
 SESSION_WAYS: dict[str, dict[str, Any]] = {
-    "-": {}, "gather-free": {"gather": "auto"}, "delta": {"delta": True},
-    "gather-free+delta": {"gather": "auto", "delta": True},
+    "-": {"gather": "always"}, "gather-free": {}, "delta": {"gather": "always", "delta": True},
+    "gather-free+delta": {"delta": True},
 }
 
 #: Ranks of a trainer world where its kind fixes them (Megatron-Bridge: TP 2 x PP 2).

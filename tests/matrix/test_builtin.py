@@ -92,8 +92,11 @@ class TestToTorch(RoundTripTests):
 
 
 #: Megatron-Bridge gather-free over one transport (environment bridge: its gathering rows run three);
-#: FSDP2 gather-free plus delta over one.
-WAYS = way_rows(TRANSPORTS) + [("megatron-bridge", "gather-free", "mooncake"), ("fsdp2", "gather-free+delta", "mooncake")]
+#: FSDP2 and Megatron-Core gather-free plus delta over one.
+WAYS = way_rows(TRANSPORTS) + [
+    ("megatron-bridge", "gather-free", "mooncake"), ("fsdp2", "gather-free+delta", "mooncake"),
+    ("megatron", "gather-free+delta", "mooncake"),
+]
 
 
 @pytest.mark.slow
@@ -105,7 +108,8 @@ class TestWaysToTorch(RoundTripTests):
     rows; Megatron-Core TP 2's column and row splits, fused QKV and gate/up parts, vocabulary
     rows; Megatron-Bridge TP 2 x PP 2 where its mappings are those conversions), delta
     (FSDP2: after a full first update, only what changed) and both (each FSDP2 rank sends only
-    what changed of its own rows, against a baseline of just those)."""
+    what changed of its own rows, against a baseline of just those; Megatron-Core TP 2 the same
+    with its own splits)."""
 
     conformance = {"engine": "torch"}
 

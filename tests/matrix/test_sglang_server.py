@@ -162,7 +162,7 @@ port, lease = int(sys.argv[1]), float(sys.argv[2])
 trainer = ModelSpec(config={**TINY_QWEN3, "vocab_size": 256}).build(seed=2)
 rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id="sglang-fault")
 session = Session(source=FSDP2Source(trainer), transport="mooncake", rendezvous=rendezvous, bucket_bytes=1,
-                  transfer_timeout=10, update_lease=lease)
+                  transfer_timeout=10, update_lease=lease, gather="always")  # killed between gathered buckets
 session.connect(["server"])
 
 def die(done, total):

@@ -8,6 +8,7 @@ import logging
 
 import torch
 
+from p2psync.core.types import SenderGroup
 from tests.helpers.doubles import DictSource
 from tests.helpers.toy_engine import ShardSource, engine_rank, hf_model, toy_session
 
@@ -23,13 +24,25 @@ def assert_own_load(engines, sources):
             assert torch.equal(p.data.view(torch.uint8), expected[name].view(torch.uint8)), (rank, name)
 
 
-def test_a_source_without_local_shards_says_everything_was_gathered(caplog):
-    with caplog.at_level(logging.WARNING), toy_session(DictSource(tensors_of(0)), gather="auto") as (session, engines):
+def test_a_sender_group_without_local_shards_says_everything_was_gathered(caplog):
+    """Two sender ranks that describe no shards all-gather what each could have sent of its own
+    (this process plays rank 0 of the two: its half of the units is what it sends)."""
+    source = DictSource(tensors_of(0), SenderGroup("all", (0, 1), 0))
+    with caplog.at_level(logging.WARNING), toy_session(source) as (session, engines):
         report = session.update("v1")
-    assert report.ok
     assert any("'test-dict' describes no local shards" in note for note in report.degraded), report.degraded
     assert "degraded: gather-free" in report.format()
     assert any("describes no local shards" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+
+
+def test_a_lone_sender_without_local_shards_is_not_degraded():
+    """One sender rank holds every tensor whole: gathering moves nothing, so the default
+    (gather-free where it can) has nothing to report."""
+    with toy_session(DictSource(tensors_of(0))) as (session, engines):
+        report = session.update("v1")
+        assert_own_load(engines, tensors_of(0))
+    assert report.ok and report.degraded == [], report.degraded
+    assert session.stats().gather_free_bytes[0] == 0
 
 
 def test_groups_gathered_instead_of_gather_free_are_named_with_why():
@@ -46,7 +59,7 @@ def test_groups_gathered_instead_of_gather_free_are_named_with_why():
 
 
 def test_a_full_gathering_session_reports_nothing_degraded():
-    with toy_session(DictSource(tensors_of(0))) as (session, engines):
+    with toy_session(DictSource(tensors_of(0)), gather="always") as (session, engines):
         assert session.update("v1").degraded == []
 
 

@@ -249,7 +249,8 @@ def test_an_engine_serves_no_weights_of_unknown_version():
 def test_a_trainer_failing_mid_update_raises_a_p2psync_error_and_the_engine_goes_stale():
     with engines() as group:
         group.start("a")
-        with session_for(group.rendezvous, bucket_bytes=1, update_lease=2.0) as session:
+        # gathering one tensor per bucket: the crash comes between buckets, mid-update
+        with session_for(group.rendezvous, bucket_bytes=1, update_lease=2.0, gather="always") as session:
             session.connect(["a"])
             assert session.update("v1").ok
 
@@ -287,7 +288,7 @@ def trainer_rank(rank: int, port: int, job_id: str, results) -> None:
     model = small_model(0)
     for layer in model:
         fully_shard(layer)
-    session = session_for(rendezvous, model, bucket_bytes=1, update_lease=4.0)
+    session = session_for(rendezvous, model, bucket_bytes=1, update_lease=4.0, gather="always")  # dies mid-gathers
     session.connect(["a"])
     assert session.update("v1").ok
     try:
