@@ -39,6 +39,8 @@ class UpdateReport:
     changed since the delta targets' baselines. `degraded` says, in words, where the
     update took a slower way than asked (tensors gathered instead of sent gather-free,
     units sent in full instead of as deltas), so that nothing degrades silently.
+    `gather_free_bytes` and `gathered_bytes`: what all senders produced of their units
+    without a gather and from gathered tensors (a unit's bytes go to each of its targets).
     """
 
     version: str
@@ -48,6 +50,8 @@ class UpdateReport:
     changed_elements: int = 0
     compared_elements: int = 0
     degraded: list[str] = field(default_factory=list)
+    gather_free_bytes: int = 0
+    gathered_bytes: int = 0
 
     @property
     def changed_fraction(self) -> float:
@@ -73,6 +77,8 @@ class UpdateReport:
             lines.append(f"  {e.engine_id:<16} {status:<7} {e.bytes:>14,} {e.seconds:>9.3f} {e.gbps:>7.2f}  {check}")
             if e.error:
                 lines.append(f"    error: {e.error}")
+        if self.gather_free_bytes or self.gathered_bytes:
+            lines.append(f"  produced: {self.gather_free_bytes:,} bytes gather-free, {self.gathered_bytes:,} from gathers")
         lines += [f"  degraded: {note}" for note in self.degraded]
         if self.delta_memory_bytes:
             lines.append(

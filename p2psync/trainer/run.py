@@ -121,7 +121,7 @@ class UpdateRun:
             engine: (w.progress.rank_bytes, (w.progress.last_done or start) - start, w.progress.error)
             for engine, w in self.conn.writers.items()
         }
-        per_rank = collectives.all_gather((mine, self.compiled.degraded))
+        per_rank = collectives.all_gather((mine, self.compiled.degraded, self.compiled.gather_free_bytes))
         report = collectives.broadcast(self._report(start, per_rank) if leader else None)
         self.clock.lap("finish")
         self.mode.finish(report)
@@ -271,12 +271,12 @@ class UpdateRun:
                     f"(sent {sent[first].digest}, engine holds {held.get(first)}){more}"
                 )
 
-    def _report(self, start: float, per_rank: Sequence[tuple[WriteStatus, list[str]]]) -> UpdateReport:
+    def _report(self, start: float, per_rank: Sequence[tuple[WriteStatus, list[str], tuple[int, int]]]) -> UpdateReport:
         """Every rank's write statuses merged per engine, and what degraded; then the finish
         calls (world rank 0)."""
         engines = {e: EngineReport(e, ok=e not in self.failed, error=self.failed.get(e)) for e in self.conn.tables}
-        degraded = list(dict.fromkeys(note for _, notes in per_rank for note in notes))
-        for statuses, _ in per_rank:
+        degraded = list(dict.fromkeys(note for _, notes, _ in per_rank for note in notes))
+        for statuses, _, _ in per_rank:
             for engine, (rank_bytes, seconds, error) in statuses.items():
                 report = engines[engine]
                 for rank, nbytes in rank_bytes.items():
@@ -295,7 +295,9 @@ class UpdateRun:
             else:
                 report.ok, report.error = False, error
         return UpdateReport(
-            version=self.version, seconds=time.monotonic() - start, engines=engines, degraded=degraded
+            version=self.version, seconds=time.monotonic() - start, engines=engines, degraded=degraded,
+            gather_free_bytes=sum(free for _, _, (free, _) in per_rank),
+            gathered_bytes=sum(gathered for _, _, (_, gathered) in per_rank),
         )
 
 

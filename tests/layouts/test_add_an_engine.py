@@ -206,6 +206,12 @@ def test_a_gather_free_session_updates_toy_engines_bit_exact(claims):
         norms = 2 * LAYERS * HIDDEN * 4  # per rank's unit
         qkv = 2 * 3 * HEADS // 2 * HEAD_DIM * HIDDEN * 4  # layer 0's fused qkv, which reads q
         assert (free > 0, gathered) == (True, norms + (qkv if twice else 0))
-        report = session.update("v1")
+        steps: list[tuple[int, int]] = []
+        report = session.update("v1", progress=lambda done, total: steps.append((done, total)))
         assert report.ok and all(e.checked for e in report.engines.values()), report.format()
+        assert (report.gather_free_bytes, report.gathered_bytes) == (free, gathered)
+        assert f"produced: {free:,} bytes gather-free, {gathered:,} from gathers" in report.format()
+        # one step per unit sent gather-free, then one per gathered bucket
+        total, buckets = steps[-1][1], len(session.stats().buckets)
+        assert total > buckets > 0 and steps == [(i + 1, total) for i in range(total)], steps
     assert_own_load(engines, sources, "v1")

@@ -135,11 +135,12 @@ def _dim0_sharded(data: Any) -> bool:
 def _all_gather_dim0(group: Any, shards: list[tuple[str, Any, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Gather (name, full shape, this rank's shard) of tensors sharded on dim 0 as
     `torch.chunk` splits them (FSDP2's sharding: chunks of ceil(rows / world) rows, the
-    last ones shorter or empty) with one coalesced all-gather; return the full tensors."""
+    last ones shorter or empty) with one coalesced all-gather (gloo: one broadcast per rank);
+    return the full tensors."""
     import torch.distributed as dist
 
     world = dist.get_world_size(group)
-    sends, fulls = [], []
+    sends = []
     for _, shape, local in shards:
         chunk = -(-shape[0] // world)
         if local.shape[0] == chunk:
@@ -148,8 +149,10 @@ def _all_gather_dim0(group: Any, shards: list[tuple[str, Any, torch.Tensor]]) ->
             send = local.new_zeros((chunk, *shape[1:]))
             send[: local.shape[0]] = local
         sends.append(send)
-        fulls.append(send.new_empty((chunk * world, *shape[1:])))
-    # gloo and NCCL run the recorded all-gathers as one coalesced work. torch 2.13 renamed
+    if dist.get_backend(group) == "gloo":
+        return _gathered_by_broadcasts(group, shards, sends)
+    fulls = [send.new_empty((send.shape[0] * world, *send.shape[1:])) for send in sends]
+    # NCCL runs the recorded all-gathers as one coalesced work. torch 2.13 renamed
     # all_gather_into_tensor (now a deprecated alias, warning at every call) all_gather_single.
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     with dist._coalescing_manager(group, async_ops=True) as coalesced:
@@ -157,3 +160,26 @@ def _all_gather_dim0(group: Any, shards: list[tuple[str, Any, torch.Tensor]]) ->
             all_gather(full, send, group=group)
     coalesced.wait()
     return {name: full[: shape[0]] for (name, shape, _), full in zip(shards, fulls)}
+
+
+def _gathered_by_broadcasts(
+    group: Any, shards: list[tuple[str, Any, torch.Tensor]], sends: list[torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The same all-gather over gloo as one broadcast of each rank's flat padded shards:
+    gloo's all-gather moved 0.73 GB/s over loopback where its broadcast of the same bytes
+    moved 2.5 GB/s (2 ranks, 112 MB), and the reassembly is a memcpy."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.cat([send.reshape(-1) for send in sends])
+    ranks = dist.get_process_group_ranks(group)
+    flats = [mine if r == dist.get_rank() else torch.empty_like(mine) for r in ranks]
+    for rank, flat in zip(ranks, flats):
+        dist.broadcast(flat, src=rank, group=group)
+    out, offset = {}, 0
+    for (name, shape, _), send in zip(shards, sends):
+        n = send.numel()
+        full = torch.cat([flat[offset : offset + n].view(send.shape) for flat in flats])
+        out[name] = full[: shape[0]]
+        offset += n
+    return out
