@@ -64,11 +64,13 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def times_table(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
-    header = ["run", "setup", "updates", "load before / after", "p2psync s", "broadcast s", "broadcast-fp32 s",
-              "broadcast / p2psync", "broadcast-fp32 / p2psync", "all verified"]
+    header = ["run", "setup", "updates", "load before / after", "gather-free (default) s", "gathering s",
+              "broadcast s", "broadcast-fp32 s", "broadcast / gather-free", "broadcast / gathering",
+              "broadcast-fp32 / gathering", "all verified"]
     rows = [
-        [name, _setup(r), str(r["setup"]["updates"]), _load(r), _way(r, "p2p"), _way(r, "broadcast"),
-         _way(r, "broadcast-fp32"), _ratio(r, "broadcast/p2p"), _ratio(r, "broadcast-fp32/p2p"),
+        [name, _setup(r), str(r["setup"]["updates"]), _load(r), _way(r, "gather-free"), _way(r, "p2p"),
+         _way(r, "broadcast"), _way(r, "broadcast-fp32"), _ratio(r, "broadcast/gather-free"),
+         _ratio(r, "broadcast/p2p"), _ratio(r, "broadcast-fp32/p2p"),
          "yes" if all(w["verified"] for w in r["ways"].values()) else "NO"]
         for name, r in runs
     ]
@@ -83,7 +85,7 @@ def _split_row(name: str, way: str, w: dict[str, Any]) -> list[str]:
         name, way, _s(w["seconds"]), _s(w["gathers_alone_seconds"]),
         f"{_s(p.get('gather', 0))} / {_s(p.get('produce', 0))} / {_s(waits)} / {_s(control)}",
         _s(w["engine_load_seconds"]) if "engine_load_seconds" in w else "-",
-        f"{w['wire_bytes'] / 1e6:,.0f} ({'counted' if way == 'p2p' else 'measured'})", _s(w["raw_gbps"]),
+        f"{w['wire_bytes'] / 1e6:,.0f} ({'counted' if w['bytes_how'].startswith('counted') else 'measured'})", _s(w["raw_gbps"]),
         _s(w["bound_seconds"]), f"{w['over_bound']:.2f}x",
     ]
 
@@ -119,11 +121,15 @@ def memory_table(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
 def render(runs: list[tuple[str, dict[str, Any]]]) -> str:
     if not runs:
         return "\n".join([BEGIN, "", "No saved results yet: `p2psync bench --save` writes them.", "", END])
-    ratios = [r["ratios"]["broadcast/p2p"]["of_medians"] for _, r in runs if "broadcast/p2p" in r["ratios"]]
+    medians = []
+    for key, what in (("broadcast/gather-free", "the default (gather-free) session"),
+                      ("broadcast/p2p", "the gathering session")):
+        ratios = [r["ratios"][key]["of_medians"] for _, r in runs if key in r["ratios"]]
+        if ratios:
+            medians.append(f"broadcast / {what}: median {statistics.median(ratios):.2f}x over {len(ratios)}")
     parts = [
         BEGIN, "",
-        f"{len(runs)} saved run(s) in benchmarks/results/"
-        + (f"; broadcast / p2psync over them: median {statistics.median(ratios):.2f}x" if ratios else "") + ".",
+        f"{len(runs)} saved run(s) in benchmarks/results/" + "".join(f"; {m}" for m in medians) + ".",
         "", "**Times** (median of the timed updates, min-max; ratios of the medians, round by round in parentheses):",
         "", *times_table(runs),
         "", "**Where the time went, and each way's bound** (bound: the larger of the way's gathers alone and its bytes "
