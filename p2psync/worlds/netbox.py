@@ -7,8 +7,11 @@ loopback carries the whole 127.0.0.0/8 range, so node N's processes bind the add
 127.0.N+1.x (`Box.address`), and `shape` puts one htb class per emulated NIC on `lo`:
 traffic between two addresses of one node stays unshaped (NVLink's place), traffic that
 leaves a node goes through its sending NIC's class at the link's rate, with netem's
-latency and loss under it. `nic_bytes` reads what each NIC's class carried; `cut` drops
-every packet to and from a node (its link pulled) until `mend`.
+latency and loss under it. Each process of the box calls `join` first: its sockets then
+leave from its NIC's address (policy routing by file-system uid: no transport binds its
+client sockets) and its host name resolves to its own address. `nic_bytes` reads what each
+NIC's class carried; `cut` drops every packet to and from a node (its link pulled) until
+`mend`.
 
 Only loopback-range addresses are used, and `shape` refuses the machine's own namespace.
 Shaping is on the sending side: a NIC receiving from several senders at once is not
@@ -35,6 +38,15 @@ CLONE_NEWNET = 0x40000000
 INSIDE_CLASS, CUT_CLASS, FIRST_NIC_CLASS = 1, 2, 16
 #: Filter priorities: cut links first, then traffic inside a node, then each NIC.
 CUT_PRIO, INSIDE_PRIO, NIC_PRIO = 1, 2, 3
+#: The file-system uid of the first NIC's processes, and the routing table of the first NIC
+#: (a process's sockets take their source address from its NIC's table: `join`).
+FIRST_UID, FIRST_TABLE = 20000, 100
+#: Where the loopback routes (the `local` table) are looked up once the NICs' rules are first.
+LOCAL_RULE_PREF = 1000
+#: Linux's `unshare`, `mount` and capability constants.
+CLONE_NEWNS, CLONE_NEWUTS = 0x00020000, 0x04000000
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+CAPABILITY_VERSION_3 = 0x20080522
 
 
 class NamespaceError(RuntimeError):
@@ -59,12 +71,15 @@ class Link:
 
 @dataclass(frozen=True)
 class Nic:
-    """One emulated NIC: its name, htb class (tc writes class numbers in hex) and the addresses
-    (`prefix`) that send through it."""
+    """One emulated NIC: its name, htb class (tc writes class numbers in hex), the addresses
+    (`prefix`) that send through it, and the source address its processes' sockets get (they
+    run with file-system uid `uid`, which selects that source by policy routing)."""
 
     name: str
     classid: int
     prefix: str
+    source: str
+    uid: int
 
 
 @dataclass(frozen=True)
@@ -93,11 +108,20 @@ class Box:
 
     def nics(self) -> list[Nic]:
         if self.nic == "node":
-            prefixes = [(f"node{n}", self.node_prefix(n)) for n in range(len(self.ranks))]
+            sides = [(f"node{n}", self.node_prefix(n), self.address(n, 0)) for n in range(len(self.ranks))]
         else:
-            prefixes = [(f"node{n}/rank{s}", f"{self.address(n, s)}/32")
-                        for n, count in enumerate(self.ranks) for s in range(count)]
-        return [Nic(name, FIRST_NIC_CLASS + i, prefix) for i, (name, prefix) in enumerate(prefixes)]
+            sides = [(f"node{n}/rank{s}", f"{self.address(n, s)}/32", self.address(n, s))
+                     for n, count in enumerate(self.ranks) for s in range(count)]
+        return [Nic(name, FIRST_NIC_CLASS + i, prefix, source, FIRST_UID + i)
+                for i, (name, prefix, source) in enumerate(sides)]
+
+    def nic_of(self, node: int, slot: int) -> Nic:
+        """The NIC process `slot` of `node` sends through."""
+        address = self.address(node, slot)
+        return next(n for n in self.nics() if n.source == address or (self.nic == "node" and n.name == f"node{node}"))
+
+    def hostname(self, node: int, slot: int) -> str:
+        return f"p2psync-node{node}-{slot}"
 
 
 def in_own_namespace() -> bool:
@@ -150,7 +174,71 @@ def shape(box: Box) -> list[Nic]:
     for nic in nics:
         _run([tc, "filter", "add", "dev", "lo", "parent", "1:", "protocol", "ip", "prio", str(NIC_PRIO), "u32",
               "match", "ip", "src", nic.prefix, "flowid", f"1:{nic.classid:x}"])
+    _route_sources(nics)
     return nics
+
+
+def _route_sources(nics: list[Nic]) -> None:
+    """Give every socket of a NIC's processes that NIC's source address, whoever opens it (gloo,
+    Mooncake, UCX and HTTP clients bind none): a rule per NIC's uid looks up a table whose
+    loopback route prefers that source, ahead of the `local` table."""
+    ip = _tool("ip", "iproute2's `ip`")
+    _run([ip, "rule", "add", "pref", str(LOCAL_RULE_PREF), "lookup", "local"])
+    _run([ip, "rule", "del", "pref", "0"])
+    for i, nic in enumerate(nics):
+        table = str(FIRST_TABLE + i)
+        _run([ip, "route", "add", "local", "127.0.0.0/8", "dev", "lo", "src", nic.source, "table", table])
+        _run([ip, "rule", "add", "pref", str(10 + i), "uidrange", f"{nic.uid}-{nic.uid}", "lookup", table])
+
+
+def join(box: Box, node: int, slot: int) -> str:
+    """Make this process process `slot` of `node` of the (shaped) box: its sockets leave from
+    its NIC's address, its host name resolves to its own address (gloo binds what the host name
+    resolves to), and P2PSYNC_HOST names it to p2psync's servers. Call first thing in the
+    process, before any thread starts (namespaces and the file-system uid are per thread).
+    Returns the address."""
+    if not in_own_namespace():
+        raise NamespaceError("join a box only inside its namespace (a process started by one that entered it)")
+    if threading.active_count() != 1:
+        raise NamespaceError("join the box before any thread starts: namespaces and the file-system uid are per thread")
+    address, name, nic = box.address(node, slot), box.hostname(node, slot), box.nic_of(node, slot)
+    libc = ctypes.CDLL(None, use_errno=True)
+    _check(libc.unshare(CLONE_NEWNS | CLONE_NEWUTS), "unshare(CLONE_NEWNS | CLONE_NEWUTS)")
+    _check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "making / private to this process")
+    hosts = f"/tmp/p2psync-box-hosts-{os.getpid()}"
+    with open(hosts, "w") as f:  # every process of the box, so that reverse lookups name them too
+        f.write("127.0.0.1 localhost\n" + "".join(
+            f"{box.address(n, s)} {box.hostname(n, s)}\n" for n, count in enumerate(box.ranks) for s in range(count)
+        ))
+    _check(libc.mount(hosts.encode(), b"/etc/hosts", None, MS_BIND, None), "bind-mounting its hosts file")
+    os.unlink(hosts)  # the mount holds the file
+    _check(libc.sethostname(name.encode(), len(name)), "sethostname")
+    libc.setfsuid(nic.uid)
+    _restore_capabilities(libc)
+    os.environ["P2PSYNC_HOST"] = address
+    return address
+
+
+def _restore_capabilities(libc: ctypes.CDLL) -> None:
+    """A new file-system uid drops root's file capabilities from the effective set: raise every
+    permitted one again, so that the process reads and writes files as before."""
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    header, data = Header(CAPABILITY_VERSION_3, 0), (Data * 2)()
+    _check(libc.capget(ctypes.byref(header), data), "capget")
+    for half in data:
+        half.effective = half.permitted
+    _check(libc.capset(ctypes.byref(header), data), "capset")
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        raise NamespaceError(f"{what} failed: {os.strerror(ctypes.get_errno())}")
 
 
 def nic_bytes(box: Box) -> dict[str, int]:

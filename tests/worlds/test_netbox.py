@@ -1,6 +1,7 @@
 """The cluster in a box: in a network namespace the test makes, `lo`'s traffic between two
 emulated nodes goes through the sending NIC's class (its counter carries the bytes) while
-traffic inside a node bypasses every NIC; a cut node receives nothing until mended; the
+traffic inside a node bypasses every NIC; gloo ranks that joined the box send from their
+own NIC with no binding of their own; a cut node receives nothing until mended; the
 machine's own loopback is never shaped. Skipped, with the reason, where no namespace can be
 made (not root, no iproute2)."""
 
@@ -76,6 +77,53 @@ def test_links_between_nodes_go_through_the_sending_nic_and_a_cut_node_is_unreac
     assert 4 * mb <= counted["node0/rank0"] < 4.5 * mb, counted
     assert counted["node0/rank1"] == 0 and counted["node1/rank0"] < 0.1 * mb, counted  # node 1 sent only acks
     assert result["received"] == {"127.0.1.2": 5 * mb, "127.0.2.1": 5 * mb}, result["received"]
+
+
+#: Three gloo ranks (node 0: ranks 0 and 1; node 1: rank 2), each joining the box first, then
+#: an all-gather of 1 MB per rank: gloo's ring sends rank 0 -> 1 (inside node 0), 1 -> 2 and
+#: 2 -> 0 (across), two chunks each.
+GLOO = """
+import json, socket, subprocess, sys
+from p2psync.worlds.netbox import Box, Link, NamespaceError, enter_namespace, join, nic_bytes, shape
+BOX, PLACES = Box((2, 1), Link(gbit=2.0)), [(0, 0), (0, 1), (1, 0)]
+if len(sys.argv) == 1:
+    try:
+        enter_namespace()
+    except NamespaceError as exc:
+        print(json.dumps({"skip": str(exc)})); sys.exit(0)
+    shape(BOX)
+    ranks = [subprocess.Popen([sys.executable, __file__, str(r)], stdout=subprocess.PIPE, text=True) for r in range(3)]
+    outs = [p.communicate(timeout=120)[0] for p in ranks]
+    print(json.dumps({"ranks": [json.loads(o.strip().splitlines()[-1]) for o in outs], "bytes": nic_bytes(BOX)}))
+else:
+    rank = int(sys.argv[1])
+    address = join(BOX, *PLACES[rank])
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://{BOX.address(0, 0)}:29700", rank=rank, world_size=3)
+    out = [torch.empty(1 << 18) for _ in range(3)]
+    dist.all_gather(out, torch.full((1 << 18,), float(rank)))
+    dist.barrier()
+    print(json.dumps({"address": address, "resolves": socket.gethostbyname(socket.gethostname()),
+                      "ok": all(bool((t == i).all()) for i, t in enumerate(out))}))
+"""
+
+
+def test_gloo_ranks_that_joined_the_box_send_through_their_own_nics(tmp_path):
+    pytest.importorskip("torch.distributed")
+    script = tmp_path / "gloo_in_a_box.py"
+    script.write_text(GLOO)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=ROOT,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if "skip" in result:
+        pytest.skip(f"no network namespace here: {result['skip']}")
+    assert [(r["address"], r["resolves"], r["ok"]) for r in result["ranks"]] == [
+        ("127.0.1.1", "127.0.1.1", True), ("127.0.1.2", "127.0.1.2", True), ("127.0.2.1", "127.0.2.1", True)
+    ], result["ranks"]
+    mb, counted = 1 << 20, result["bytes"]
+    assert counted["node0/rank0"] < 0.1 * mb, counted  # its ring neighbour is on its node
+    assert 2 * mb <= counted["node0/rank1"] < 2.2 * mb and 2 * mb <= counted["node1/rank0"] < 2.2 * mb, counted
 
 
 def test_the_machine_loopback_is_never_shaped():
