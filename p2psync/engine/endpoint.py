@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.control import ControlServer, Refused
 from ..core.digest import byte_view, digest
+from ..core.host import local_host
 from ..core.errors import P2PSyncError, where
 from ..core.memory import device_of
 from ..core.types import TargetParam, TargetTable
@@ -70,7 +71,7 @@ class EngineEndpoint:
         transport: Transport,
         rendezvous: Rendezvous,
         hooks: EngineHooks | None = None,
-        host: str = "127.0.0.1",
+        host: str | None = None,
         token: str | None = None,
         extra: Mapping[str, Any] | None = None,
         version: str | None = None,
@@ -89,7 +90,7 @@ class EngineEndpoint:
         self.transport = transport
         self.rendezvous = rendezvous
         self.hooks = hooks or EngineHooks()
-        self.host = host
+        self.host = host or local_host()  # $P2PSYNC_HOST or loopback
         self.token = rendezvous.token() if token is None else token
         self.extra = dict(extra or {})
         self.requested_incarnation = incarnation

@@ -29,6 +29,8 @@ import threading
 from dataclasses import dataclass
 from typing import Literal
 
+from ..core.host import HOST_ENV
+
 #: Names the box's namespace (its inode) to the processes started in it.
 BOX_ENV = "P2PSYNC_BOX_NETNS"
 #: `unshare(2)`'s flag for a new network namespace.
@@ -215,7 +217,7 @@ def join(box: Box, node: int, slot: int) -> str:
     _check(libc.sethostname(name.encode(), len(name)), "sethostname")
     libc.setfsuid(nic.uid)
     _restore_capabilities(libc)
-    os.environ["P2PSYNC_HOST"] = address
+    os.environ[HOST_ENV] = address
     return address
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...core.errors import TransferError, TransferTimeout
+from ...core.host import local_host
 from ...core.transport import Peer, Transport, WriteBatch
 from ...core.types import TargetTable
 from .startup import StartupFailed, initialize_quietly
@@ -76,7 +77,7 @@ class MooncakeTransport(Transport):
 
     def __init__(self, *, options: Mapping[str, Any] | MooncakeOptions | None = None) -> None:
         super().__init__(options=options)
-        self.host = self.options.host or os.environ.get("P2PSYNC_HOST", "127.0.0.1")
+        self.host = self.options.host or local_host()
         requested = self.options.protocol
         devices = rdma_devices()
         if requested == "auto":

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ...core.errors import TransferError, TransferTimeout, where
+from ...core.host import local_host
 from ...core.transport import Peer, Transport, WriteBatch
 from ...core.types import TargetTable
 from ...core.memory import AddressMap, device_of
@@ -48,7 +49,7 @@ class TorchDistTransport(Transport):
 
     def __init__(self, *, options: Mapping[str, Any] | TorchDistOptions | None = None) -> None:
         super().__init__(options=options)
-        self.host = self.options.host or os.environ.get("P2PSYNC_HOST", "127.0.0.1")
+        self.host = self.options.host or local_host()
         self._buffers = AddressMap()
         self._receiver: Receiver | None = None
 
