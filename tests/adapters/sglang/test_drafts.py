@@ -173,11 +173,11 @@ def trainer_process(rank: int, opts: Any, port: int, results: Any) -> None:
     final = {n: t.clone() for n, t in session.source.gather([s.name for s in session.source.param_specs()]).items()}
     if rank == 0:
         torch.save(final, Path(opts.dump_dir) / "trainer.pt")
-    buckets = session.stats().bucket_count  # known while connected
+    free, gathered = session.stats().gather_free_bytes  # known while connected
     session.close()
     dist.destroy_process_group()
     if rank == 0:
-        results.put({"reports": reports, "buckets": buckets})
+        results.put({"reports": reports, "gather_free_bytes": free})
 
 
 @pytest.mark.slow
@@ -188,7 +188,7 @@ def test_an_update_writes_target_and_draft_as_sglangs_loads_make_them(tmp_path):
 
     opts = DraftRun(dump_dir=str(tmp_path))
     result = launch(opts, engine_process, trainer_process)
-    assert result["buckets"] > 1
+    assert result["gather_free_bytes"] > 0  # the default session: each rank writes its own rows of target and draft
     for report in result["reports"]:  # one pause per update; the digests of target and draft checked
         assert report.ok and report.engines[ENGINE].checked and report.engines[ENGINE].bytes > 0, report.format()
     trained = torch.load(tmp_path / "trainer.pt")
