@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from ..core.delta import PatchRecord
 from ..core.engine import EngineControl
@@ -55,19 +55,25 @@ class UpdateCalls:
         self._renewed = time.monotonic()
         return failed
 
-    def progressed(self, failed: Mapping[str, str]) -> None:
-        """The update made progress: renew the leases of the engines not failed, if due."""
+    def progressed(self, failed: Collection[str]) -> dict[str, str]:
+        """The update made progress: renew the leases of the engines not `failed`, if due.
+        Returns the engines whose renewal failed, with why: an engine that cannot be reached
+        to renew its lease will abandon this update, so the caller gives up on it at once
+        instead of waiting on its writes and calling it again."""
         now = time.monotonic()
         if now - self._renewed < self.lease / 4:
-            return
+            return {}
         self._renewed = now
+        lost = {}
         for engine, control in self.controls.items():
             if engine in failed:
                 continue
             try:
                 control.renew(self.version)
-            except ControlError as exc:  # its writes or its finish will say what is wrong
+            except ControlError as exc:
                 log.warning("renewing the update lease of engine %s failed: %s", engine, exc)
+                lost[engine] = f"renewing its update lease failed: {exc}"
+        return lost
 
     def finish(self, engine: str) -> str | None:
         """Post-process and resume `engine`; why that failed, or None."""

@@ -131,8 +131,13 @@ class UpdateRun:
         return report
 
     def _progressed(self) -> None:
-        if self.settings.rank == 0:
-            self.calls.progressed(self.failed)
+        """Renew the engines' leases (world rank 0); an engine whose writes failed is not
+        called again, one that cannot be reached to renew fails at once."""
+        if self.settings.rank != 0:
+            return
+        failed = {*self.failed, *(e for e, w in self.conn.writers.items() if w.progress.error is not None)}
+        for engine, error in self.calls.progressed(failed).items():
+            self.conn.writers[engine].fail(error)
 
     def _send_gather_free(self, steps: Steps) -> list[tuple[UnitWrites, dict[str, Produced]]]:
         """Write this rank's own parts of every gather-free group."""
