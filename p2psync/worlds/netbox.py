@@ -47,7 +47,7 @@ FIRST_UID, FIRST_TABLE = 20000, 100
 LOCAL_RULE_PREF = 1000
 #: Linux's `unshare`, `mount` and capability constants.
 CLONE_NEWNS, CLONE_NEWUTS = 0x00020000, 0x04000000
-MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+MS_BIND, MS_REC, MS_PRIVATE, MNT_DETACH = 4096, 16384, 1 << 18, 2
 CAPABILITY_VERSION_3 = 0x20080522
 
 
@@ -207,6 +207,7 @@ def join(box: Box, node: int, slot: int) -> str:
     libc = ctypes.CDLL(None, use_errno=True)
     _check(libc.unshare(CLONE_NEWNS | CLONE_NEWUTS), "unshare(CLONE_NEWNS | CLONE_NEWUTS)")
     _check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "making / private to this process")
+    libc.umount2(b"/etc/hosts", MNT_DETACH)  # the hosts file of a box process that started this one (if any)
     hosts = f"/tmp/p2psync-box-hosts-{os.getpid()}"
     with open(hosts, "w") as f:  # every process of the box, so that reverse lookups name them too
         f.write("127.0.0.1 localhost\n" + "".join(
