@@ -16,6 +16,7 @@ from typing import Any
 
 from .trainer.options import SessionOptions
 from .worlds import ModelSpec, RunResult, WorldOptions, run_world
+from .worlds.options import trainer_kind
 
 #: Model sizes: a ~100M-parameter Qwen3-style model for the demo, a tiny one for tests.
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -48,9 +49,12 @@ class DemoOptions:
 
 
 def world_options(opts: DemoOptions) -> WorldOptions:
-    """The demo as a world: torch engines holding the demo's Qwen3, FSDP2 trainers, one transport."""
+    """The demo as a world: torch engines holding the demo's Qwen3, FSDP2 trainers updating them
+    as a Session does by default (gather-free: the world checks that nothing was gathered), one
+    transport."""
     return WorldOptions(
-        engine="torch", engines=opts.engines, runs=(("fsdp2", opts.transport),), trainers=opts.trainers,
+        engine="torch", engines=opts.engines, runs=((trainer_kind("fsdp2", "gather-free"), opts.transport),),
+        trainers=opts.trainers,
         model=ModelSpec("qwen3", CONFIGS[opts.size]), updates=opts.updates, device=opts.device,
         session=opts.session, generate=True,
         progress=opts.progress, job_id=opts.job_id,
