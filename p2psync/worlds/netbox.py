@@ -35,11 +35,11 @@ from ..core.host import HOST_ENV
 BOX_ENV = "P2PSYNC_BOX_NETNS"
 #: `unshare(2)`'s flag for a new network namespace.
 CLONE_NEWNET = 0x40000000
-#: The htb class of traffic inside a node (unshaped), of what a cut drops (its leaf a
-#: blackhole: this kernel has no tc actions), and the first NIC class.
-INSIDE_CLASS, CUT_CLASS, FIRST_NIC_CLASS = 1, 2, 16
-#: Filter priorities: cut links first, then traffic inside a node, then each NIC.
-CUT_PRIO, INSIDE_PRIO, NIC_PRIO = 1, 2, 3
+#: The htb classes of traffic inside a node (unshaped), of what a cut drops and of what a
+#: lossy link drops (their leaves blackholes: this kernel has no tc actions), and the first NIC's.
+INSIDE_CLASS, CUT_CLASS, LOSS_CLASS, FIRST_NIC_CLASS = 1, 2, 3, 16
+#: Filter priorities: cut links first, then traffic inside a node, then a link's losses, then each NIC.
+CUT_PRIO, INSIDE_PRIO, LOSS_PRIO, NIC_PRIO = 1, 2, 3, 4
 #: The file-system uid of the first NIC's processes, and the routing table of the first NIC
 #: (a process's sockets take their source address from its NIC's table: `join`).
 FIRST_UID, FIRST_TABLE = 20000, 100
@@ -67,8 +67,20 @@ class Link:
     def __post_init__(self) -> None:
         if self.gbit <= 0:
             raise ValueError(f"a link's rate must be positive, got {self.gbit} Gbit/s")
-        if self.latency_ms < 0 or not 0 <= self.loss_percent < 100:
-            raise ValueError(f"latency {self.latency_ms} ms and loss {self.loss_percent}% must be >= 0 (loss < 100)")
+        if self.latency_ms < 0:
+            raise ValueError(f"latency must be >= 0 ms, got {self.latency_ms}")
+        if self.loss_percent and self.loss_bits is None:
+            raise ValueError(
+                f"loss must be 100/2^k percent (50, 25, 12.5, 6.25, 3.125, ...; k up to 16), got {self.loss_percent}"
+            )
+
+    @property
+    def loss_bits(self) -> int | None:
+        """k where the link drops every packet whose IP identification is 1 modulo 2^k (1 in
+        2^k of a connection's packets: deterministic, and needs no netem; not 0 modulo 2^k,
+        since handshake packets carry identification 0 and would be dropped every time);
+        None for another loss."""
+        return next((k for k in range(1, 17) if abs(100 / 2**k - self.loss_percent) < 1e-9), None)
 
 
 @dataclass(frozen=True)
@@ -160,15 +172,21 @@ def shape(box: Box) -> list[Nic]:
     tc = _tool_in_box()
     nics = box.nics()
     _run([tc, "qdisc", "replace", "dev", "lo", "root", "handle", "1:", "htb", "default", str(INSIDE_CLASS)])
-    for classid in (INSIDE_CLASS, CUT_CLASS):
+    for classid in (INSIDE_CLASS, CUT_CLASS, LOSS_CLASS):
         _run([tc, "class", "add", "dev", "lo", "parent", "1:", "classid", f"1:{classid:x}", "htb", "rate", "100gbit"])
-    _run([tc, "qdisc", "add", "dev", "lo", "parent", f"1:{CUT_CLASS:x}", "handle", f"{CUT_CLASS:x}:", "blackhole"])
+    for classid in (CUT_CLASS, LOSS_CLASS):
+        _run([tc, "qdisc", "add", "dev", "lo", "parent", f"1:{classid:x}", "handle", f"{classid:x}:", "blackhole"])
     rate = f"{box.link.gbit * 1000:.0f}mbit"
     for nic in nics:
         _run([tc, "class", "add", "dev", "lo", "parent", "1:", "classid", f"1:{nic.classid:x}", "htb", "rate", rate,
               "ceil", rate])
-        if box.link.latency_ms or box.link.loss_percent:
+        if box.link.latency_ms:
             _netem(tc, nic, box.link)
+        if box.link.loss_bits is not None:
+            mask = f"0x{(1 << box.link.loss_bits) - 1:04x}"
+            _run([tc, "filter", "add", "dev", "lo", "parent", "1:", "protocol", "ip", "prio", str(LOSS_PRIO), "u32",
+                  "match", "ip", "src", nic.prefix, "match", "u16", "0x0001", mask, "at", "4",
+                  "flowid", f"1:{LOSS_CLASS:x}"])
     for node in range(len(box.ranks)):
         prefix = box.node_prefix(node)
         _run([tc, "filter", "add", "dev", "lo", "parent", "1:", "protocol", "ip", "prio", str(INSIDE_PRIO), "u32",
@@ -262,15 +280,23 @@ def cut(box: Box, node: int) -> None:
 
 
 def _netem(tc: str, nic: Nic, link: Link) -> None:
-    """Latency and loss under `nic`'s class: netem's, where the kernel has it."""
+    """Latency under `nic`'s class: netem's, where the kernel has it."""
     command = [tc, "qdisc", "add", "dev", "lo", "parent", f"1:{nic.classid:x}", "handle", f"{nic.classid:x}:",
-               "netem", "delay", f"{link.latency_ms}ms", "loss", f"{link.loss_percent}%"]
+               "netem", "delay", f"{link.latency_ms}ms"]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise NamespaceError(
-            f"a link's latency and loss need the kernel's netem qdisc (sch_netem): `{' '.join(command)}` failed: "
+            f"a link's latency needs the kernel's netem qdisc (sch_netem): `{' '.join(command)}` failed: "
             f"{done.stderr.strip()}"
         )
+
+
+def lost_packets() -> int:
+    """Packets the box's lossy links have dropped since `shape`."""
+    out = subprocess.run([_tool_in_box(), "-s", "class", "show", "dev", "lo"], capture_output=True, text=True,
+                         check=True).stdout
+    found = re.search(rf"class htb 1:{LOSS_CLASS:x} .*?\n\s*Sent \d+ bytes \d+ pkt \(dropped (\d+)", out)
+    return int(found[1]) if found else 0
 
 
 def mend() -> None:

@@ -63,12 +63,7 @@ print(json.dumps({"outcomes": outcomes, "counted": counted, "received": received
 
 
 def test_links_between_nodes_go_through_the_sending_nic_and_a_cut_node_is_unreachable():
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    if "skip" in result:
-        pytest.skip(f"no network namespace here: {result['skip']}")
+    result = _in_box(SCRIPT)
     mb = 1 << 20
     assert result["own"]
     assert result["outcomes"] == ["sent", "sent", "TimeoutError", "sent", "sent"], result
@@ -126,6 +121,47 @@ def test_gloo_ranks_that_joined_the_box_send_through_their_own_nics(tmp_path):
     assert 2 * mb <= counted["node0/rank1"] < 2.2 * mb and 2 * mb <= counted["node1/rank0"] < 2.2 * mb, counted
 
 
+#: 4 MB across a link that loses 1 packet in 16, inside the box.
+LOSSY = """
+import json, socket, sys, threading
+from p2psync.worlds.netbox import Box, Link, NamespaceError, enter_namespace, lost_packets, shape
+try:
+    enter_namespace()
+except NamespaceError as exc:
+    print(json.dumps({"skip": str(exc)})); sys.exit(0)
+box = Box((1, 1), Link(gbit=1.0, loss_percent=6.25))
+shape(box)
+server, got = socket.create_server((box.address(1, 0), 5000)), []
+def receive():
+    conn, _ = server.accept()
+    while data := conn.recv(1 << 20):
+        got.append(data)
+thread = threading.Thread(target=receive)
+thread.start()
+payload = bytes(range(256)) * (4 << 12)
+with socket.create_connection((box.address(1, 0), 5000), timeout=30, source_address=(box.address(0, 0), 0)) as conn:
+    conn.sendall(payload)
+thread.join(30)
+print(json.dumps({"exact": b"".join(got) == payload, "lost": lost_packets()}))
+"""
+
+
+def test_a_lossy_link_drops_packets_and_tcp_still_delivers_every_byte():
+    result = _in_box(LOSSY)
+    assert result["exact"] and result["lost"] > 0, result
+
+
+def _in_box(script: str) -> dict:
+    """Run `script` in a fresh interpreter; its last line of output, as JSON (skip where it says so)."""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if "skip" in result:
+        pytest.skip(f"no network namespace here: {result['skip']}")
+    return result
+
+
 def test_the_machine_loopback_is_never_shaped():
     assert not in_own_namespace()
     with pytest.raises(NamespaceError, match="refusing to shape the machine's own loopback"):
@@ -137,5 +173,8 @@ def test_a_box_names_what_is_wrong_with_it():
         Box((2,), Link(gbit=1.0)).address(0, 2)
     with pytest.raises(ValueError, match="rate must be positive"):
         Link(gbit=0)
+    with pytest.raises(ValueError, match=r"loss must be 100/2\^k percent"):
+        Link(gbit=1.0, loss_percent=5)
+    assert Link(gbit=1.0, loss_percent=3.125).loss_bits == 5
     nics = Box((2, 1), Link(gbit=1.0), nic="node").nics()
     assert [(n.name, n.prefix) for n in nics] == [("node0", "127.0.1.0/24"), ("node1", "127.0.2.0/24")]

@@ -21,10 +21,11 @@ ROOT = Path(__file__).resolve().parents[2]
 #: The trainer's transfer timeout (seconds).
 TIMEOUT = 3.0
 
-#: The box both share: the trainer's node, then a node per engine, 1 Gbit/s links.
+#: The box both share: the trainer's node, then a node per engine, 1 Gbit/s links ($LOSS_PERCENT lost).
 BOX_SCRIPT = """
+import os
 from p2psync.worlds.netbox import Box, Link
-BOX = Box((1, 1, 1), Link(gbit=1.0))
+BOX = Box((1, 1, 1), Link(gbit=1.0, loss_percent=float(os.environ.get("LOSS_PERCENT", "0"))))
 """
 
 #: One engine of `small_model`, joined to node `argv[1]` of the box, its rendezvous at port `argv[2]`.
@@ -47,7 +48,7 @@ threading.Event().wait()
 #: The trainer, joined to node 0 after shaping the box; prints what it saw as JSON.
 TRAINER = BOX_SCRIPT + """
 import json, os, subprocess, sys, time
-from p2psync.worlds.netbox import NamespaceError, cut, enter_namespace, join, mend, shape
+from p2psync.worlds.netbox import NamespaceError, cut, enter_namespace, join, lost_packets, mend, shape
 try:
     enter_namespace()
 except NamespaceError as exc:
@@ -70,32 +71,42 @@ try:
                       transfer_timeout=TIMEOUT, bucket_bytes=1)
     session.connect(["a", "b"])
     out["v1"] = session.update("v1").stale
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1.0)
-    def pull_b(done, total):
-        if done == 1:
-            cut(BOX, 2)
-    started = time.monotonic()
-    report = session.update("v2", progress=pull_b)
-    out["v2"] = {"stale": report.stale, "seconds": time.monotonic() - started, "b": report.engines["b"].error,
-                 "a_checked": report.engines["a"].checked}
-    mend()
-    info = lambda e: post(rendezvous.read_engine(e)[0].control_url, "info", token=rendezvous.token(), timeout=10)
-    out["after_v2"] = {e: {k: info(e)[k] for k in ("version", "serving", "stale")} for e in "ab"}
-    out["after_mend"] = []
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:  # until b's stalled connection retransmits (TCP's backoff)
+    if BOX.link.loss_percent:  # a lossy link: every update lands exact, just slower
+        out["lossy"] = []
+        for version in ("v2", "v3"):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+            report = session.update(version)
+            out["lossy"].append({"stale": report.stale, "checked": [report.engines[e].checked for e in "ab"]})
+        out["lost"] = lost_packets()
+    else:  # engine b's link pulled mid-update
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
-        version = f"v{3 + len(out['after_mend'])}"
-        report = session.update(version)
-        out["after_mend"].append({"version": version, "stale": report.stale, "b_serving": info("b")["serving"],
-                                  "checked": [report.engines[e].checked for e in "ab"]})
-        if not report.stale:
-            break
-    out["final"] = {e: {k: info(e)[k] for k in ("version", "serving")} for e in "ab"}
+        def pull_b(done, total):
+            if done == 1:
+                cut(BOX, 2)
+        started = time.monotonic()
+        report = session.update("v2", progress=pull_b)
+        out["v2"] = {"stale": report.stale, "seconds": time.monotonic() - started, "b": report.engines["b"].error,
+                     "a_checked": report.engines["a"].checked}
+        mend()
+        info = lambda e: post(rendezvous.read_engine(e)[0].control_url, "info", token=rendezvous.token(), timeout=10)
+        out["after_v2"] = {e: {k: info(e)[k] for k in ("version", "serving", "stale")} for e in "ab"}
+        out["after_mend"] = []
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:  # until b's stalled connection retransmits (TCP's backoff)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+            version = f"v{3 + len(out['after_mend'])}"
+            report = session.update(version)
+            out["after_mend"].append({"version": version, "stale": report.stale, "b_serving": info("b")["serving"],
+                                      "checked": [report.engines[e].checked for e in "ab"]})
+            if not report.stale:
+                break
+        out["final"] = {e: {k: info(e)[k] for k in ("version", "serving")} for e in "ab"}
     session.close()
 finally:
     print(json.dumps(out), flush=True)
@@ -106,19 +117,32 @@ finally:
 
 
 
-@pytest.mark.slow
-def test_a_pulled_link_makes_its_engine_stale_and_the_next_update_lands_on_all(tmp_path):
+def _run(tmp_path: Path, loss_percent: float = 0.0) -> dict:
+    """The trainer script's findings, as JSON (skips where no namespace can be made)."""
     engine, trainer = tmp_path / "engine.py", tmp_path / "trainer.py"
     engine.write_text(ENGINE)
     trainer.write_text(TRAINER)
-    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "UCX_NET_DEVICES": "lo"}
-    done = subprocess.run([sys.executable, str(trainer), str(engine), str(TIMEOUT)], capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path, env=env)
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "UCX_NET_DEVICES": "lo",
+           "LOSS_PERCENT": str(loss_percent)}
+    done = subprocess.run([sys.executable, str(trainer), str(engine), str(TIMEOUT)], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     if "skip" in out:
         pytest.skip(f"no network namespace here: {out['skip']}")
     assert out["v1"] == [], out
+    return out
+
+
+@pytest.mark.slow
+def test_over_links_that_lose_packets_every_update_lands_exact(tmp_path):
+    out = _run(tmp_path, loss_percent=6.25)
+    assert out["lossy"] == [{"stale": [], "checked": [True, True]}] * 2 and out["lost"] > 0, out
+
+
+@pytest.mark.slow
+def test_a_pulled_link_makes_its_engine_stale_and_the_next_update_lands_on_all(tmp_path):
+    out = _run(tmp_path)
     v2 = out["v2"]
     assert v2["stale"] == ["b"] and v2["a_checked"], out
     # b's writes time out once, one lease renewal to it times out, and it is given up on
