@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING, Any
 
+from ...core.gloo import all_gather_by_broadcasts, is_gloo
 from ...core.source import LocalShard, TrainerSource
 from ...core.types import ParamSpec, SenderGroup, numel
 from .convert import Heads, split, unshard
@@ -199,8 +200,14 @@ class MegatronSource(TrainerSource):
         size = self._group_size(entry)
         if size == 1 or not getattr(entry.tensor, "tensor_model_parallel", False):
             return tensor
-        shards = [torch.empty_like(tensor) for _ in range(size)]
-        dist.all_gather(shards, tensor.contiguous(), group=self._etp if entry.owner is not None else self._tp)
+        group = self._etp if entry.owner is not None else self._tp
+        if is_gloo(group):  # see core.gloo
+            mine = dist.get_rank(group)
+            shards = [tensor.contiguous() if i == mine else torch.empty_like(tensor) for i in range(size)]
+            all_gather_by_broadcasts(shards, group)
+        else:
+            shards = [torch.empty_like(tensor) for _ in range(size)]
+            dist.all_gather(shards, tensor.contiguous(), group=group)
         return unshard(shards, *entry.partition)
 
     def local_shards(self, names: Sequence[str]) -> dict[str, LocalShard]:
