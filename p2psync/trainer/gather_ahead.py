@@ -41,6 +41,8 @@ class GatherAhead:
         self._started = False
 
     def __iter__(self) -> Iterator[tuple[int, Mapping[str, torch.Tensor]]]:
+        if not self._buckets:  # nothing to gather (every group went gather-free): no thread
+            return
         if not self._started:
             self._started = True
             self._thread.start()

@@ -264,10 +264,16 @@ def _check(result: int, what: str) -> None:
 
 def nic_bytes(box: Box) -> dict[str, int]:
     """Bytes each NIC of `box` has sent since `shape` (its class's counter)."""
+    counters = _class_counters()
+    return {nic.name: counters.get(nic.classid, (0, 0))[0] for nic in box.nics()}
+
+
+def _class_counters() -> dict[int, tuple[int, int]]:
+    """(bytes sent, packets dropped) of every htb class on this namespace's `lo`."""
     out = subprocess.run([_tool_in_box(), "-s", "class", "show", "dev", "lo"], capture_output=True, text=True,
                          check=True).stdout
-    sent = {int(m[1], 16): int(m[2]) for m in re.finditer(r"class htb 1:([0-9a-f]+) .*?\n\s*Sent (\d+) bytes", out)}
-    return {nic.name: sent.get(nic.classid, 0) for nic in box.nics()}
+    pattern = r"class htb 1:([0-9a-f]+) .*?\n\s*Sent (\d+) bytes \d+ pkt \(dropped (\d+)"
+    return {int(m[1], 16): (int(m[2]), int(m[3])) for m in re.finditer(pattern, out)}
 
 
 def cut(box: Box, node: int) -> None:
@@ -293,10 +299,7 @@ def _netem(tc: str, nic: Nic, link: Link) -> None:
 
 def lost_packets() -> int:
     """Packets the box's lossy links have dropped since `shape`."""
-    out = subprocess.run([_tool_in_box(), "-s", "class", "show", "dev", "lo"], capture_output=True, text=True,
-                         check=True).stdout
-    found = re.search(rf"class htb 1:{LOSS_CLASS:x} .*?\n\s*Sent \d+ bytes \d+ pkt \(dropped (\d+)", out)
-    return int(found[1]) if found else 0
+    return _class_counters().get(LOSS_CLASS, (0, 0))[1]
 
 
 def mend() -> None:

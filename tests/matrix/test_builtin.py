@@ -72,10 +72,17 @@ class TestFSDP2Source(TrainerSourceTests):
         return SourceCase(source, {n: t.clone() for n, t in model.state_dict().items()})
 
 
+def on_devices(trainer: str) -> list[str]:
+    """The devices the harness builds `trainer` on: Megatron trainers on CPU only."""
+    return list(DEVICES) if trainer == "fsdp2" else ["cpu"]
+
+
+TRAINER_DEVICES = [(t, d) for t in ("fsdp2", "megatron", "megatron-bridge") for d in on_devices(t)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("trainer", ["fsdp2", "megatron", "megatron-bridge"])
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("trainer", "device"), TRAINER_DEVICES, ids=["-".join(p) for p in TRAINER_DEVICES])
 class TestToTorch(RoundTripTests):
     """Oracles: FSDP2's full state dict from torch's `get_model_state_dict`; for Megatron and
     Megatron-Bridge, the transformers model every rank trains alike and loads into its shards.
@@ -86,8 +93,6 @@ class TestToTorch(RoundTripTests):
     @pytest.fixture
     def round_trip(self, trainer, transport, device, worlds):
         require_device(device)
-        if device == "cuda" and trainer != "fsdp2":
-            pytest.skip("the harness builds Megatron trainers on CPU only")
         return worlds.round_trip(trainer, "torch", transport, device)
 
 
@@ -99,9 +104,12 @@ WAYS = way_rows(TRANSPORTS) + [
 ]
 
 
+WAYS_ON_DEVICES = [(*way, d) for way in WAYS for d in on_devices(way[0])]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("trainer", "via", "transport"), WAYS, ids=["-".join(w) for w in WAYS])
+@pytest.mark.parametrize(("trainer", "via", "transport", "device"), WAYS_ON_DEVICES,
+                         ids=["-".join(w) for w in WAYS_ON_DEVICES])
 class TestWaysToTorch(RoundTripTests):
     """The session's other ways of updating, oracles and generation as above: gather-free
     (each trainer rank writes its own shards' part straight into the engines' parameters: FSDP2's
@@ -116,6 +124,4 @@ class TestWaysToTorch(RoundTripTests):
     @pytest.fixture
     def round_trip(self, trainer, transport, device, via, worlds):
         require_device(device)
-        if device == "cuda" and trainer != "fsdp2":
-            pytest.skip("the harness builds Megatron trainers on CPU only")
         return worlds.round_trip(trainer, "torch", transport, device, via=via)

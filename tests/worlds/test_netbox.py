@@ -2,32 +2,26 @@
 emulated nodes goes through the sending NIC's class (its counter carries the bytes) while
 traffic inside a node bypasses every NIC; gloo ranks that joined the box send from their
 own NIC with no binding of their own; a cut node receives nothing until mended; the
-machine's own loopback is never shaped. Skipped, with the reason, where no namespace can be
-made (not root, no iproute2)."""
+machine's own loopback is never shaped. Skipped, naming what is missing, where the machine lacks
+root or iproute2."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.box import run_in_box
+
 from p2psync.worlds.netbox import Box, Link, NamespaceError, in_own_namespace, shape
 
-ROOT = Path(__file__).resolve().parents[2]
 
 #: Runs in a fresh interpreter: enters a namespace, shapes a box of 2 + 1 ranks, sends MB
 #: bytes inside node 0 and from node 0 to node 1, cuts node 1, tries again, mends, again.
 SCRIPT = """
 import json, socket, sys, threading
-from p2psync.worlds.netbox import Box, Link, NamespaceError, cut, enter_namespace, in_own_namespace, mend, \\
-    nic_bytes, shape
-try:
-    enter_namespace()
-except NamespaceError as exc:
-    print(json.dumps({"skip": str(exc)})); sys.exit(0)
+from p2psync.worlds.netbox import Box, Link, cut, enter_namespace, in_own_namespace, mend, nic_bytes, shape
+enter_namespace()
 box = Box((2, 1), Link(gbit=0.8))
 shape(box)
 received = {}
@@ -62,8 +56,8 @@ print(json.dumps({"outcomes": outcomes, "counted": counted, "received": received
 """
 
 
-def test_links_between_nodes_go_through_the_sending_nic_and_a_cut_node_is_unreachable():
-    result = _in_box(SCRIPT)
+def test_links_between_nodes_go_through_the_sending_nic_and_a_cut_node_is_unreachable(tmp_path):
+    result = _in_box(tmp_path, SCRIPT)
     mb = 1 << 20
     assert result["own"]
     assert result["outcomes"] == ["sent", "sent", "TimeoutError", "sent", "sent"], result
@@ -79,13 +73,10 @@ def test_links_between_nodes_go_through_the_sending_nic_and_a_cut_node_is_unreac
 #: 2 -> 0 (across), two chunks each.
 GLOO = """
 import json, socket, subprocess, sys
-from p2psync.worlds.netbox import Box, Link, NamespaceError, enter_namespace, join, nic_bytes, shape
+from p2psync.worlds.netbox import Box, Link, enter_namespace, join, nic_bytes, shape
 BOX, PLACES = Box((2, 1), Link(gbit=2.0)), [(0, 0), (0, 1), (1, 0)]
 if len(sys.argv) == 1:
-    try:
-        enter_namespace()
-    except NamespaceError as exc:
-        print(json.dumps({"skip": str(exc)})); sys.exit(0)
+    enter_namespace()
     shape(BOX)
     ranks = [subprocess.Popen([sys.executable, __file__, str(r)], stdout=subprocess.PIPE, text=True) for r in range(3)]
     outs = [p.communicate(timeout=120)[0] for p in ranks]
@@ -105,14 +96,7 @@ else:
 
 def test_gloo_ranks_that_joined_the_box_send_through_their_own_nics(tmp_path):
     pytest.importorskip("torch.distributed")
-    script = tmp_path / "gloo_in_a_box.py"
-    script.write_text(GLOO)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=ROOT,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    if "skip" in result:
-        pytest.skip(f"no network namespace here: {result['skip']}")
+    result = _in_box(tmp_path, GLOO)
     assert [(r["address"], r["resolves"], r["ok"]) for r in result["ranks"]] == [
         ("127.0.1.1", "127.0.1.1", True), ("127.0.1.2", "127.0.1.2", True), ("127.0.2.1", "127.0.2.1", True)
     ], result["ranks"]
@@ -124,11 +108,8 @@ def test_gloo_ranks_that_joined_the_box_send_through_their_own_nics(tmp_path):
 #: 4 MB across a link that loses 1 packet in 16, inside the box.
 LOSSY = """
 import json, socket, sys, threading
-from p2psync.worlds.netbox import Box, Link, NamespaceError, enter_namespace, lost_packets, shape
-try:
-    enter_namespace()
-except NamespaceError as exc:
-    print(json.dumps({"skip": str(exc)})); sys.exit(0)
+from p2psync.worlds.netbox import Box, Link, enter_namespace, lost_packets, shape
+enter_namespace()
 box = Box((1, 1), Link(gbit=1.0, loss_percent=6.25))
 shape(box)
 server, got = socket.create_server((box.address(1, 0), 5000)), []
@@ -146,20 +127,14 @@ print(json.dumps({"exact": b"".join(got) == payload, "lost": lost_packets()}))
 """
 
 
-def test_a_lossy_link_drops_packets_and_tcp_still_delivers_every_byte():
-    result = _in_box(LOSSY)
+def test_a_lossy_link_drops_packets_and_tcp_still_delivers_every_byte(tmp_path):
+    result = _in_box(tmp_path, LOSSY)
     assert result["exact"] and result["lost"] > 0, result
 
 
-def _in_box(script: str) -> dict:
-    """Run `script` in a fresh interpreter; its last line of output, as JSON (skip where it says so)."""
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    if "skip" in result:
-        pytest.skip(f"no network namespace here: {result['skip']}")
-    return result
+def _in_box(tmp_path: Path, script: str) -> dict:
+    (tmp_path / "box.py").write_text(script)
+    return run_in_box(tmp_path / "box.py")
 
 
 def test_the_machine_loopback_is_never_shaped():
