@@ -76,12 +76,22 @@ def _bench(args: argparse.Namespace) -> int:
     if given:
         print(f"p2psync bench: {', '.join(given)} are options of --connect", file=sys.stderr)
         return 2
+    try:
+        topology = _topology(args)
+    except ValueError as exc:
+        print(f"p2psync bench: {exc}", file=sys.stderr)
+        return 2
     opts = BenchOptions(
-        size=args.size or ("100m" if args.engine == "torch" else "moe"), trainers=args.trainers, engines=args.engines,
-        updates=args.updates, warmup=args.warmup, transport=args.transport, raw_bytes=args.raw_mib << 20,
-        engine=args.engine, engine_tp=2 if args.engine_tp is None else args.engine_tp, ways=tuple(args.ways or ()),
+        size=args.size or ("100m" if args.engine == "torch" else "moe"), updates=args.updates, warmup=args.warmup,
+        transport=args.transport, raw_bytes=args.raw_mib << 20, engine=args.engine, ways=tuple(args.ways or ()),
         engine_dtype=args.engine_dtype, delta_lrs=tuple(args.lr), trainer=args.trainer or "fsdp2",
+        trainers=topology.trainers if topology else args.trainers or 2,
+        engines=topology.engines if topology else args.engines or 2,
+        engine_tp=topology.tp if topology else 2 if args.engine_tp is None else args.engine_tp, cluster=topology,
     )
+    if topology is not None and args.delta:
+        print("p2psync bench: --delta does not run in a --cluster yet", file=sys.stderr)
+        return 2
     if args.delta and args.trainer not in (None, "fsdp2"):
         print("p2psync bench: --delta runs FSDP2 trainer ranks", file=sys.stderr)
         return 2
@@ -97,6 +107,25 @@ def _bench(args: argparse.Namespace) -> int:
     return _run_bench(
         args, lambda: run_bench(opts), format_report, "", lambda r: all(w["verified"] for w in r["ways"].values())
     )
+
+
+def _topology(args: argparse.Namespace) -> Any:
+    """The cluster in a box that --cluster names, with its link (None without --cluster)."""
+    link_flags = {"--link-gbit": args.link_gbit, "--nic": args.nic, "--latency-ms": args.latency_ms,
+                  "--loss-percent": args.loss_percent}
+    if args.cluster is None:
+        given = [flag for flag, value in link_flags.items() if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} shape the links of a --cluster")
+        return None
+    ranks = [f"--{flag}" for flag in ("trainers", "engines", "engine_tp") if getattr(args, flag) is not None]
+    if ranks:
+        raise ValueError(f"--cluster's topology says how many ranks run; {', '.join(ranks)} would contradict it")
+    from .bench.cluster import Topology
+    from .worlds.netbox import Link
+
+    link = Link(gbit=args.link_gbit or 1.0, latency_ms=args.latency_ms or 0.0, loss_percent=args.loss_percent or 0.0)
+    return Topology.parse(args.cluster, link, args.nic or "rank")
 
 
 def _bench_connect(args: argparse.Namespace) -> int:
@@ -182,11 +211,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"model size: {', '.join(sorted(CONFIGS))} for torch engines (default 100m), "
         f"{', '.join(sorted(MOE_CONFIGS))} (Qwen3-MoE) for sglang and vllm (default moe)",
     )
-    bench.add_argument("--trainers", type=int, default=2)
-    bench.add_argument("--trainer", choices=TRAINERS,
+    bench.add_argument("--trainers", type=int, help="trainer ranks (default 2)")
+    bench.add_argument("--trainer", choices=list(TRAINERS),
                        help="fsdp2 (default), or megatron: Megatron-Core with TP and, for the experts, EP over the trainer ranks "
                        "(sglang and vLLM engines)")
-    bench.add_argument("--engines", type=int, default=2)
+    bench.add_argument("--engines", type=int, help="engines (default 2)")
     bench.add_argument("--updates", type=int, default=3, help="timed updates per way (the median is reported)")
     bench.add_argument("--warmup", type=int, default=1, help="untimed updates per way before them")
     bench.add_argument("--ways", nargs="+", choices=WAYS,
@@ -204,6 +233,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5],
                        help="--delta: the learning rates, each run in turn (default 1e-6 1e-5)")
     bench.add_argument("--raw-mib", type=int, default=512, help="size of the memcpy and raw transport measurements")
+    from .bench.cluster import PRESETS
+
+    box = bench.add_argument_group(
+        "--cluster", "the bench as emulated nodes in a cluster in a box: a network namespace of its own (root) whose "
+        "loopback links between nodes are shaped with tc (iproute2), inside a node unshaped; bytes per NIC measured",
+    )
+    box.add_argument("--cluster", metavar="TOPOLOGY",
+                     help="; ".join(f"{k}: {v}" for k, v in PRESETS.items()) + " (TRAINERS[,TRAINERS...]:ENGINESxTP: "
+                     "trainer ranks per trainer node, then engines of TP ranks, each engine on a node of its own)")
+    box.add_argument("--link-gbit", type=float, help="each NIC's rate out, Gbit/s (default 1)")
+    box.add_argument("--nic", choices=["rank", "node"], help="one NIC per rank (default, rail-optimized) or per node")
+    box.add_argument("--latency-ms", type=float, help="latency added to every packet a NIC sends (needs sch_netem)")
+    box.add_argument("--loss-percent", type=float, help="packets a NIC loses: 100/2^k percent (6.25, 3.125, ...)")
     from .bench.archs import ARCHS
 
     connect = bench.add_argument_group(

@@ -12,6 +12,12 @@ loader reads the other. The group also carries the bench's commands to the engin
 receive an update, zero the parameters (so that a verification after the next update
 proves that update delivered them), report what they measured, or stop.
 
+Two ways of broadcasting a bucket: gloo's own broadcast (`tree`), and a pipelined chain
+(`chain`, as NCCL's ring broadcast): trainer rank 0 sends each piece of the bucket to group
+rank 1, which forwards it to 2 as soon as it arrived, and so on; every member's link carries
+the bytes once, and the pieces fill the chain in one piece's time. On a cluster's links the
+better of the two is the broadcast to beat.
+
 What each member's group threads wrote to their sockets is measured (see `wire`): the
 bytes the broadcast really sent, relays included.
 """
@@ -21,9 +27,10 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from ..core.report import PhaseClock
 from ..core.types import ParamSpec, dtype_size, numel
@@ -37,7 +44,12 @@ if TYPE_CHECKING:
 ORDER_KEY = "bench/broadcast/order"
 STATS_KEY = "bench/broadcast/engine/{index}"
 Load = Callable[[Sequence[tuple[str, "torch.Tensor"]]], None]
-UPDATE, ZERO, STOP = 1, 2, 3
+UPDATE, ZERO, STOP, UPDATE_CHAIN = 1, 2, 3, 4
+#: How a bucket is broadcast: gloo's own broadcast, or the pipelined chain.
+Mode = Literal["tree", "chain"]
+#: The chain's piece: small enough that the chain fills fast (its last member starts one piece per
+#: link after the first), large enough that a message's own cost is noise beside its bytes.
+CHAIN_PIECE_BYTES = 4 << 20
 #: Tensors start at multiples of this in a flat buffer, so that every dtype view is aligned.
 ALIGN = 64
 
@@ -78,12 +90,61 @@ def _view(flat: torch.Tensor, slot: Slot) -> torch.Tensor:
     return flat[slot.offset : slot.offset + nbytes].view(getattr(torch, slot.dtype)).view(slot.shape)
 
 
-def _join(rendezvous: Rendezvous, rank: int, members: int, timeout: float) -> tuple[Any, ThreadBytes]:
-    """The gloo group (trainer rank 0 as 0, engine-rank process i as 1 + i) and its threads."""
-    import torch.distributed as dist
+class Work(Protocol):
+    def wait(self) -> object: ...
 
-    store = dist.PrefixStore("bench/broadcast/gloo", rendezvous.store)
-    return ThreadBytes.started_by(lambda: dist.ProcessGroupGloo(store, rank, 1 + members, timedelta(seconds=timeout)))
+
+class Group:
+    """The gloo group (trainer rank 0 as 0, engine-rank process i as 1 + i), with a relay thread
+    for the chain, and the bytes its threads (gloo's and the relay's) wrote."""
+
+    def __init__(self, rendezvous: Rendezvous, rank: int, members: int, timeout: float) -> None:
+        import torch.distributed as dist
+
+        store = dist.PrefixStore("bench/broadcast/gloo", rendezvous.store)
+        self.rank, self.size = rank, 1 + members
+        self.pg: Any
+        self.pg, gloo = ThreadBytes.started_by(
+            lambda: dist.ProcessGroupGloo(store, rank, self.size, timedelta(seconds=timeout))
+        )
+        self._relay = ThreadPoolExecutor(max_workers=1, thread_name_prefix="broadcast-relay")
+        _, relay = ThreadBytes.started_by(lambda: self._relay.submit(lambda: None).result())
+        self.threads = ThreadBytes(gloo.tids | relay.tids)
+
+    def start(self, tensor: torch.Tensor, mode: Mode) -> Work:
+        """Start broadcasting `tensor` from group rank 0; return the work."""
+        if mode == "tree":
+            return _broadcast(self.pg, tensor)
+        return _Relayed(self._relay.submit(self._chain, tensor))
+
+    def _chain(self, tensor: torch.Tensor) -> None:
+        """This member's part of the chain: receive each piece from the previous member and send
+        it on to the next as soon as it is here (the first member only sends, the last only
+        receives)."""
+        pieces = tensor.split(CHAIN_PIECE_BYTES)
+        before, after = self.rank - 1, self.rank + 1
+        arrivals = [self.pg.recv([piece], before, tag) for tag, piece in enumerate(pieces)] if before >= 0 else []
+        sends = []
+        for tag, piece in enumerate(pieces):
+            if arrivals:
+                arrivals[tag].wait()
+            if after < self.size:
+                sends.append(self.pg.send([piece], after, tag))
+        for send in sends:
+            send.wait()
+
+    def barrier(self) -> None:
+        self.pg.barrier().wait()
+
+
+@dataclass(frozen=True)
+class _Relayed:
+    """A relay thread's part of the chain, as a work."""
+
+    future: Future[None]
+
+    def wait(self) -> object:
+        return self.future.result()
 
 
 def _broadcast(pg: Any, tensor: torch.Tensor) -> Any:
@@ -95,12 +156,12 @@ def _broadcast(pg: Any, tensor: torch.Tensor) -> Any:
     return pg.broadcast([tensor], opts)
 
 
-def _command(pg: Any, command: int = 0) -> int:
+def _command(group: Group, command: int = 0) -> int:
     """Trainer rank 0's command, on every member of the group."""
     import torch
 
     box = torch.tensor([command])
-    _broadcast(pg, box).wait()
+    _broadcast(group.pg, box).wait()
     return int(box.item())
 
 
@@ -123,7 +184,7 @@ class Leader:
         rendezvous.set(ORDER_KEY, json.dumps(order))
         self.members = members
         self.rendezvous = rendezvous
-        self.pg, self.threads = _join(rendezvous, 0, members, timeout)
+        self.group = Group(rendezvous, 0, members, timeout)
         self.flat = _buffers(self.packed)
         #: Bytes this rank's group threads wrote in the last update.
         self.sent_bytes = 0
@@ -134,45 +195,46 @@ class Leader:
 
     def send(
         self, gather: Callable[[Sequence[str]], Mapping[str, torch.Tensor]], clock: PhaseClock,
-        progress: Callable[[], object],
+        progress: Callable[[], object], mode: Mode = "tree",
     ) -> None:
         """One update: gather each bucket (collective: the other trainer ranks call `follow`),
-        pack it into a free flat buffer and start its broadcast; returns once every engine
-        rank loaded it."""
-        before = self.threads.written()
-        _command(self.pg, UPDATE)
+        pack it into a free flat buffer and start its broadcast (`mode`); returns once every
+        engine rank loaded it."""
+        before = self.group.threads.written()
+        _command(self.group, UPDATE if mode == "tree" else UPDATE_CHAIN)
         clock.lap("command")
-        works: list[Any] = [None, None]
+        works: list[Work | None] = [None, None]
         for i, slots in enumerate(self.packed):
             tensors = gather([s.name for s in slots])
             clock.lap("gather")
-            if works[i % 2] is not None:
-                works[i % 2].wait()
+            pending = works[i % 2]
+            if pending is not None:
+                pending.wait()
                 clock.lap("buffer_wait")
             flat = self.flat[i % 2]
             for slot in slots:
                 _view(flat, slot).copy_(tensors[slot.name])  # casts to the dtype sent
             del tensors
             clock.lap("produce")
-            works[i % 2] = _broadcast(self.pg, flat[: flat_bytes(slots)])
+            works[i % 2] = self.group.start(flat[: flat_bytes(slots)], mode)
             progress()
         for work in works:
             if work is not None:
                 work.wait()
         clock.lap("drain")
-        self.pg.barrier().wait()  # every engine rank has loaded the last bucket
+        self.group.barrier()  # every engine rank has loaded the last bucket
         clock.lap("engine_load")
-        self.sent_bytes = self.threads.written() - before
+        self.sent_bytes = self.group.threads.written() - before
 
     def zero(self) -> None:
         """Have every engine zero its parameters; returns once they did."""
-        _command(self.pg, ZERO)
-        self.pg.barrier().wait()
+        _command(self.group, ZERO)
+        self.group.barrier()
 
     def stop(self, timeout: float) -> list[dict[str, list[float]]]:
         """Release the engines; return what each engine-rank process measured in each update
         (`load_seconds`, `sent_bytes`), in group order."""
-        _command(self.pg, STOP)
+        _command(self.group, STOP)
         keys = [STATS_KEY.format(index=i) for i in range(self.members)]
         return [json.loads(self.rendezvous.get(key, timeout=timeout)) for key in keys]
 
@@ -186,19 +248,21 @@ def follow(
         progress()
 
 
-def _receive_update(pg: Any, load: Load, packed: Sequence[Sequence[Slot]], flat: Sequence[torch.Tensor]) -> float:
+def _receive_update(
+    group: Group, load: Load, packed: Sequence[Sequence[Slot]], flat: Sequence[torch.Tensor], mode: Mode
+) -> float:
     """One update on an engine rank: receive each bucket into a free flat buffer (the next
     one's receive runs while the loader reads this one); return the seconds in the loader."""
     loading = 0.0
-    work = _broadcast(pg, flat[0][: flat_bytes(packed[0])])
+    work = group.start(flat[0][: flat_bytes(packed[0])], mode)
     for i, slots in enumerate(packed):
         work.wait()
         if i + 1 < len(packed):
-            work = _broadcast(pg, flat[(i + 1) % 2][: flat_bytes(packed[i + 1])])
+            work = group.start(flat[(i + 1) % 2][: flat_bytes(packed[i + 1])], mode)
         start = time.monotonic()
         load([(s.name, _view(flat[i % 2], s)) for s in slots])
         loading += time.monotonic() - start
-    pg.barrier().wait()
+    group.barrier()
     return loading
 
 
@@ -221,16 +285,17 @@ def engine_loop(
             return
     packed = [[Slot(n, tuple(shape), dtype, offset) for n, shape, dtype, offset in b]
               for b in json.loads(rendezvous.get(ORDER_KEY))]
-    pg, threads = _join(rendezvous, 1 + index, members, timeout)
+    group = Group(rendezvous, 1 + index, members, timeout)
     flat = _buffers(packed)
     stats = EngineStats()
-    while (command := _command(pg)) != STOP:
-        if command == UPDATE:
-            before = threads.written()
-            stats.load_seconds.append(_receive_update(pg, load, packed, flat))
-            stats.sent_bytes.append(threads.written() - before)
+    while (command := _command(group)) != STOP:
+        if command in (UPDATE, UPDATE_CHAIN):
+            before = group.threads.written()
+            mode: Mode = "tree" if command == UPDATE else "chain"
+            stats.load_seconds.append(_receive_update(group, load, packed, flat, mode))
+            stats.sent_bytes.append(group.threads.written() - before)
         elif command == ZERO:
             for tensor in params.values():
                 tensor.zero_()
-            pg.barrier().wait()
+            group.barrier()
     rendezvous.set(STATS_KEY.format(index=index), json.dumps(stats.__dict__))

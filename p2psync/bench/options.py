@@ -9,17 +9,19 @@ from dataclasses import dataclass, field
 
 from ..demo import DemoOptions
 from ..trainer.options import SessionOptions
+from .cluster import Topology
 
 
-#: The bench's trainers.
-TRAINERS = ("fsdp2", "megatron")
+#: The bench's trainers, and how its report names each.
+TRAINERS = {"fsdp2": "FSDP2", "megatron": "Megatron-Core (TP = EP = ranks)"}
 
 
 @dataclass
 class BenchOptions(DemoOptions):
     """What one bench run does: the demo's model, trainers, engines and transport, the trainer
     (`TRAINERS`), the engine kind (`engines.KINDS`) and its ranks per engine, the ways to compare (empty: all the
-    engines offer), untimed warm-up updates per way and the size of the raw measurements."""
+    engines offer), untimed warm-up updates per way, the size of the raw measurements, and the
+    cluster in a box it runs in, if any."""
 
     engine: str = "torch"
     engine_tp: int = 2
@@ -34,4 +36,6 @@ class BenchOptions(DemoOptions):
     engine_dtype: str | None = None
     #: `--delta`: the learning rates whose AdamW steps the delta bench takes (see `delta`).
     delta_lrs: tuple[float, ...] = (1e-6, 1e-5)
+    #: `--cluster`: run as emulated nodes in a cluster in a box (None: plain processes on loopback).
+    cluster: Topology | None = None
     job_id: str = field(default_factory=lambda: f"bench-{os.getpid()}-{int(time.time())}")

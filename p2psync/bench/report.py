@@ -8,6 +8,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .options import TRAINERS
+
 #: What an update's own Python objects (reports, lists, pymalloc's 1 MiB arenas) may add to RSS, beside its
 #: buffers and tensors: measured 0.3-1 MB on the tiny model, where nothing else is large.
 INTERPRETER_BYTES = 2 << 20
@@ -76,6 +78,12 @@ def summary(raw: Mapping[str, Any], limits: Mapping[str, Any], limits_after: Map
         way["received_total"] = sum(way["bytes_per_engine_rank"].values())
         way["gbps"] = way["received_total"] / way["seconds"] / 1e9
         way["wire_bytes"] = sum(way["bytes_per_sender"].values())
+        way["wire_how"] = "every sender's bytes at the raw loopback rate (one memory bus carries them all)"
+        if raw.get("nic_bytes", {}).get(name):
+            way.update(_nic_figures(raw["nic_bytes"][name]))
+            way["wire_bytes"] = way["nic_bytes"][way["busiest_nic"]]
+            way["wire_how"] = f"the busiest NIC's bytes ({way['busiest_nic']}, its tc class) at the link's measured rate"
+            rate = _raw([limits, limits_after], "raw_link")
         way["raw_gbps"] = rate
         way["wire_seconds_at_raw"] = way["wire_bytes"] / rate / 1e9 if rate else None
         way["bound_seconds"] = max(way["gathers_alone_seconds"], way["wire_seconds_at_raw"] or 0.0)
@@ -100,11 +108,19 @@ def summary(raw: Mapping[str, Any], limits: Mapping[str, Any], limits_after: Map
         "gathers": {step: {"seconds": statistics.median(seconds[step]), "seconds_all": seconds[step]}
                     for step in sorted(set(raw["gathers_of"].values()))},
         "ratios": _ratios(ways),
+        "best_broadcast": best_broadcast(ways),
         "trainer_memory": {f"trainer-{r}": trainer_memory(rank["memory"], raw["gathers_of"])
                            for r, rank in enumerate(per_rank)},
         "limits": limits,
         "limits_after": limits_after,
     }
+
+
+def _nic_figures(updates: Sequence[Mapping[str, int]]) -> dict[str, Any]:
+    """What each NIC of a cluster in a box sent in a way's timed updates (median), measured by
+    its tc class, and the busiest of them."""
+    per_nic = {nic: statistics.median(u[nic] for u in updates) for nic in updates[0]}
+    return {"nic_bytes": per_nic, "busiest_nic": max(per_nic, key=lambda nic: per_nic[nic])}
 
 
 def _p2p_bytes(raw: Mapping[str, Any], name: str, per_rank: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -137,15 +153,22 @@ def _broadcast_bytes(
     }
 
 
+def best_broadcast(ways: Mapping[str, Any]) -> str | None:
+    """The broadcast to beat: the fastest (median) of the broadcasts sending in the engines' dtype."""
+    broadcasts = [name for name in ("broadcast", "broadcast-chain") if name in ways]
+    return min(broadcasts, key=lambda name: ways[name]["seconds"]) if broadcasts else None
+
+
 def _ratios(ways: Mapping[str, Any]) -> dict[str, Any]:
     """Each other way's seconds over p2psync's, and each broadcast's over gather-free p2psync's:
-    of the medians, and round by round."""
+    of the medians, round by round, and the ratio of their bounds (the ideal)."""
     pairs = [(name, "p2p") for name in ways if name != "p2p" and "p2p" in ways]
     pairs += [(name, "gather-free") for name in ways if name.startswith("broadcast") and "gather-free" in ways]
     return {
         f"{name}/{base}": {
             "of_medians": ways[name]["seconds"] / ways[base]["seconds"],
             "per_round": [b / p for p, b in zip(ways[base]["seconds_all"], ways[name]["seconds_all"])],
+            "of_bounds": ways[name]["bound_seconds"] / ways[base]["bound_seconds"],
         }
         for name, base in pairs
     }
@@ -154,9 +177,6 @@ def _ratios(ways: Mapping[str, Any]) -> dict[str, Any]:
 def _mb(n: float) -> str:
     return f"{n / 1e6:,.1f} MB"
 
-
-#: How a result's trainer reads (results before `--trainer` ran FSDP2).
-TRAINER_NAMES = {"fsdp2": "FSDP2", "megatron": "Megatron-Core (TP = EP = ranks)"}
 
 #: The prefix of each p2psync way's memory figures (transfer buffers, largest gathered group, gathers' peak).
 MEMORY_KEYS = {"p2p": "", "gather-free": "gather-free_"}
@@ -194,12 +214,13 @@ def format_report(result: Mapping[str, Any]) -> str:
     load = [m["load_average"][0] for m in (result["limits"], result["limits_after"])]
     lines = [
         f"model {model['size']}: {model['parameters']:,} parameters, {_mb(model['bytes'])} ({model['dtype']}); "
-        f"{s['trainers']} {TRAINER_NAMES[s.get('trainer', 'fsdp2')]} trainer ranks -> {s['engines']} {engine['kind']} engines "
+        f"{s['trainers']} {TRAINERS[s.get('trainer', 'fsdp2')]} trainer ranks -> {s['engines']} {engine['kind']} engines "
         f"({engine['tp']} rank{'s' if engine['tp'] > 1 else ''} each, {engine['dtype']}); transport "
         f"{s['transport']['transport']} ({s['transport'].get('protocol', '-')}); median of {s['updates']} updates "
         f"after "
         f"{s['warmup']} warm-up; load average {load[0]:.1f} before, {load[1]:.1f} after (a shared machine: "
         "compare ratios within the run)",
+        *_cluster_lines(s.get("cluster")),
         "",
         f"  {'way':<15} {'s/update':>9} {'(min-max)':>13} {'GB/s':>6} {'bound s':>8} {'x bound':>8}  verified",
     ]
@@ -212,7 +233,9 @@ def format_report(result: Mapping[str, Any]) -> str:
         )
     for key, r in result["ratios"].items():
         per = r["per_round"]
-        lines.append(f"  {key}: {r['of_medians']:.2f}x (round by round {min(per):.2f}-{max(per):.2f}x)")
+        best = " (the best broadcast)" if key.split("/")[0] == result.get("best_broadcast") else ""
+        lines.append(f"  {key}{best}: {r['of_medians']:.2f}x (round by round {min(per):.2f}-{max(per):.2f}x; "
+                     f"ideal, of the bounds: {r.get('of_bounds', float('nan')):.2f}x)")
     lines.append("")
     for name, w in result["ways"].items():
         lines += _way_lines(name, w)
@@ -226,8 +249,26 @@ def format_report(result: Mapping[str, Any]) -> str:
             if machine.get(key):
                 raw = machine[key]
                 line += f"; raw {raw['transport']} ({raw['protocol']}) loopback {raw['gbps']:.2f} GB/s"
+        if machine.get("raw_link"):
+            link = machine["raw_link"]
+            line += f"; the link, one TCP connection between nodes: {link['gbps']:.3f} GB/s " \
+                    f"(shaped to {link['configured_gbps']:.3f})"
         lines.append(line)
     return "\n".join(lines)
+
+
+def _cluster_lines(topology: Mapping[str, Any] | None) -> list[str]:
+    if topology is None:
+        return []
+    trainers = " + ".join(str(n) for n in topology["trainer_nodes"])
+    link = f"{topology['link_gbit']:g} Gbit/s"
+    if topology["latency_ms"] or topology["loss_percent"]:
+        link += f", {topology['latency_ms']:g} ms, {topology['loss_percent']:g}% lost"
+    return [
+        f"cluster in a box {topology['name']!r}: trainer ranks on nodes of {trainers}; {topology['engines']} engine "
+        f"node{'s' if topology['engines'] > 1 else ''} of {topology['tp']} ranks; one NIC per {topology['nic']} "
+        f"({len(topology['nics'])} NICs) on {link}; inside a node unshaped",
+    ]
 
 
 def _way_lines(name: str, w: Mapping[str, Any]) -> list[str]:
@@ -240,12 +281,15 @@ def _way_lines(name: str, w: Mapping[str, Any]) -> list[str]:
     if "engine_load_seconds" in w:
         extra.append(f"engine ranks' loaders {w['engine_load_seconds']:.3f} s (the slowest rank)")
     if w["wire_seconds_at_raw"] is not None:
-        extra.append(f"its {_mb(w['wire_bytes'])} on the wire at raw {w['raw_gbps']:.2f} GB/s: "
-                     f"{w['wire_seconds_at_raw']:.3f} s")
+        wire = f"its busiest NIC's {_mb(w['wire_bytes'])} ({w['busiest_nic']})" if "busiest_nic" in w else (
+            f"its {_mb(w['wire_bytes'])} on the wire")
+        extra.append(f"{wire} at raw {w['raw_gbps']:.2f} GB/s: {w['wire_seconds_at_raw']:.3f} s")
     lines.append("    " + "; ".join(extra) + f"; bound = the larger: {w['bound_seconds']:.3f} s")
     sent = ", ".join(f"{k} {_mb(v)}" for k, v in w["bytes_per_sender"].items())
     received = ", ".join(f"{k} {_mb(v)}" for k, v in w["bytes_per_engine_rank"].items())
     lines.append(f"    sent: {sent}; received: {received} ({w['bytes_how']})")
+    if "nic_bytes" in w:
+        lines.append("    NICs sent (tc class counters): " + ", ".join(f"{k} {_mb(v)}" for k, v in w["nic_bytes"].items()))
     return lines
 
 

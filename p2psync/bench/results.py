@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import subprocess
 import time
 from importlib.metadata import PackageNotFoundError, version
@@ -62,11 +63,16 @@ def _commit(where: Path) -> str:
 
 
 def save(result: dict[str, Any], directory: str | Path) -> Path:
-    """Write `result` as `<directory>/<UTC time>-<engine>-<size>.json`; return the path."""
+    """Write `result` as `<directory>/<UTC time>-<engine>-<size>.json` (a cluster in a box's run:
+    `...-<size>-cluster-<topology>-<rate>gbit.json`); return the path."""
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(result.get("started", time.time())))
     setup = result["setup"]
-    path = folder / f"{stamp}-{setup['engine']['kind']}-{setup['model']['size']}.json"
+    name = f"{stamp}-{setup['engine']['kind']}-{setup['model']['size']}"
+    if setup.get("cluster"):
+        topology = re.sub(r"[^A-Za-z0-9]+", "_", setup["cluster"]["name"])
+        name += f"-cluster-{topology}-{setup['cluster']['link_gbit']:g}gbit"
+    path = folder / f"{name}.json"
     path.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     return path

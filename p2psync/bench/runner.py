@@ -4,7 +4,9 @@ alone; then a verification round.
 
 The machine's limits are measured before and after, in a process of their own, while
 nothing else of the bench runs. Trainer rank 0 times every way and collects what every
-rank measured.
+rank measured. In a cluster in a box (`opts.cluster`, see `cluster`) every process joins its
+node first, the link's own rate is measured beside the limits, and rank 0 reads what each
+NIC sent in each step.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..worlds import launch
 from ..core.types import ParamSpec, numel
-from . import broadcast, engines, limits, results, rss, verify
+from . import broadcast, cluster, engines, limits, results, rss, verify
 from .options import TRAINERS, BenchOptions
 from .report import summary
 from .ways import WAYS, BroadcastWay, P2PWay, Way, make_ways
@@ -45,6 +47,7 @@ def ways_for(opts: BenchOptions) -> list[str]:
 
 def bench_engine(index: int, opts: BenchOptions, port: int, stop: Any) -> None:
     """Engine-rank process `index`, also a member of the broadcast group; served until `stop`."""
+    cluster.join(opts.cluster, "engine", index)
     rank = engines.start_rank(index, opts, port)
     endpoint = rank.endpoint
     members = opts.engines * engines.tp(opts)
@@ -107,6 +110,7 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
 
     from ..trainer.session import Session
 
+    cluster.join(opts.cluster, "trainer", rank)
     rss.return_freed_memory()  # before the model exists: every way runs under the same allocator settings
     rendezvous, source = engines.start_trainer(rank, opts, port)
     ids = engines.engine_ids(opts)
@@ -135,6 +139,7 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
     )
     progress = bar.update
     measured = Rounds(ways, list(plans))
+    nics = partial(cluster.nic_bytes, opts.cluster) if opts.cluster is not None and rank == 0 else None
     for i in range(rounds):
         steps: list[tuple[str, Callable[[], float], Way | None]] = [
             (w.name, partial(w.update, progress), w) for w in ways
@@ -142,8 +147,10 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
         steps += [(name, partial(_gathers_alone, source, *plan, progress), None) for name, plan in plans.items()]
         for name, run, way in steps:
             bar.set_description(name)
-            before = rss.reset_peak()
-            measured.record(name, run(), way, first=i == 0, timed=i >= opts.warmup, rss_before=before)
+            before, sent_before = rss.reset_peak(), nics() if nics else {}
+            took = run()
+            sent = {nic: n - sent_before[nic] for nic, n in nics().items()} if nics else {}
+            measured.record(name, took, way, first=i == 0, timed=i >= opts.warmup, rss_before=before, nic_bytes=sent)
     bar.set_description("verify")
     held = _verify(ways, leader, session, measured.broadcast_log, progress)
     bar.close()
@@ -181,6 +188,7 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
             "members": [engines.member(opts, i) for i in range(members)],
             "rank_bytes": {w.name: _rank_bytes(w.reports[rounds - 1]) for w in p2p_ways},
             "payload": sum(broadcast.flat_bytes(s) for s in leader.packed) if leader else 0,
+            "nic_bytes": measured.nic_bytes,
         })
 
 
@@ -206,6 +214,7 @@ def _setup(opts: BenchOptions, specs: list[ParamSpec], transport: dict[str, Any]
         "warmup": opts.warmup,
         "bucket_bytes": opts.session.bucket_bytes,
         "ways": [w.name for w in ways],
+        "cluster": opts.cluster.describe() if opts.cluster else None,
     }
 
 
@@ -220,10 +229,15 @@ class Rounds:
         self.sent: dict[str, list[int]] = {w.name: [] for w in ways}
         self.memory: dict[str, int] = {}
         self.broadcast_log: list[str] = []
+        self.nic_bytes: dict[str, list[dict[str, int]]] = {name: [] for name in self.seconds}
 
-    def record(self, step: str, took: float, way: Way | None, *, first: bool, timed: bool, rss_before: int) -> None:
+    def record(
+        self, step: str, took: float, way: Way | None, *, first: bool, timed: bool, rss_before: int,
+        nic_bytes: dict[str, int],
+    ) -> None:
         """One step's result. RSS: what it added at its peak on its first run and on the worst
-        later one, and what its first run left resident beyond free heap pages."""
+        later one, and what its first run left resident beyond free heap pages. `nic_bytes`: what
+        each NIC of a cluster in a box sent meanwhile (empty outside one)."""
         key = f"{step}_{'first' if first else 'later'}_added_bytes"
         self.memory[key] = max(self.memory.get(key, 0), rss.peak() - rss_before)
         if first:
@@ -233,6 +247,8 @@ class Rounds:
             self.broadcast_log.append(step if timed else "")
         if timed:
             self.seconds[step].append(took)
+            if nic_bytes:
+                self.nic_bytes[step].append(nic_bytes)
             if way is not None:
                 self.phases[step].append(way.phase_seconds)
                 self.sent[step].append(way.sent_bytes)
@@ -273,12 +289,34 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     if opts.size not in engines.sizes(opts.engine):
         raise ValueError(f"{opts.engine} engines run sizes {engines.sizes(opts.engine)}, not {opts.size!r}")
     if opts.trainer not in TRAINERS:
-        raise ValueError(f"unknown trainer {opts.trainer!r}; choose one of {TRAINERS}")
+        raise ValueError(f"unknown trainer {opts.trainer!r}; choose one of {list(TRAINERS)}")
     if opts.trainer != "fsdp2" and opts.engine == "torch":
         raise ValueError(f"the {opts.trainer} trainer runs the sglang and vLLM engines' Qwen3-MoE, not torch engines")
     ways_for(opts)
+    if opts.cluster is not None:
+        _check_cluster(opts, opts.cluster)
+        cluster.enter(opts.cluster)  # first: before any thread of this process starts
     about = {"machine": results.machine(), "versions": results.versions(opts.engine), "started": time.time()}
-    before = limits.measure_apart(opts.raw_bytes, opts.transport)
+    before = _limits(opts)
     raw = launch(opts, bench_engine, bench_trainer, engine_processes=opts.engines * engines.tp(opts))
-    after = limits.measure_apart(opts.raw_bytes, opts.transport)
+    after = _limits(opts)
     return {**about, **summary(raw, before, after)}
+
+
+def _check_cluster(opts: BenchOptions, topology: cluster.Topology) -> None:
+    """Refuse a topology whose ranks are not the bench's."""
+    wanted = (topology.trainers, topology.engines, topology.tp)
+    if (opts.trainers, opts.engines, engines.tp(opts)) != wanted:
+        raise ValueError(
+            f"topology {topology.name!r} runs {wanted[0]} trainer ranks -> {wanted[1]} engines of TP {wanted[2]}, "
+            f"the bench was given {opts.trainers} -> {opts.engines} of TP {engines.tp(opts)}"
+            + (" (torch engines are TP 1)" if opts.engine == "torch" else "")
+        )
+
+
+def _limits(opts: BenchOptions) -> dict[str, Any]:
+    """The machine's limits, with the link's own rate in a cluster in a box."""
+    measured = limits.measure_apart(opts.raw_bytes, opts.transport)
+    if opts.cluster is not None:
+        measured["raw_link"] = cluster.measure_link(opts.cluster, min(opts.raw_bytes, 128 << 20))
+    return measured

@@ -13,6 +13,9 @@ went (`phase_seconds`). To add a way, subclass `Way` and add it in `make_ways`.
 - `broadcast`: the best broadcast a user can build from the same pieces (see `broadcast`):
   gathers already cast to the engines' dtype, one flat buffer per bucket, the next bucket's
   gathers overlapping this one's broadcast.
+- `broadcast-chain`: the same, each bucket relayed along a pipelined chain of the engine
+  ranks (every link carries the bytes once, as NCCL's ring broadcast) instead of gloo's own
+  broadcast.
 - `broadcast-fp32`: the same broadcast gathering in the trainer's dtype and casting after,
   as verl's FSDP path does; present where the engines' dtype is not the trainer's. The
   engines' own loaders get exactly what a checkpoint holds: the reference the other ways'
@@ -130,9 +133,10 @@ class BroadcastWay(Way):
     def __init__(
         self, name: str, description: str, source: TrainerSource, buckets: list[list[str]],
         leader: broadcast.Leader | None, gather_dtype: str | None, controls: Sequence[EngineControl] = (),
-        lease: float = 600.0, reference: bool = False,
+        lease: float = 600.0, reference: bool = False, mode: broadcast.Mode = "tree",
     ) -> None:
         self.name, self.description, self.reference = name, description, reference
+        self.mode = mode
         self.source = source
         self.buckets = buckets
         self.leader = leader
@@ -158,7 +162,7 @@ class BroadcastWay(Way):
             for control in self.controls:
                 control.pause(version, self.lease)
             self._clock.lap("pause")
-            self.leader.send(self._gather, self._clock, progress)
+            self.leader.send(self._gather, self._clock, progress, self.mode)
             self._sent = self.leader.sent_bytes
             for control in self.controls:
                 control.finish(version)
@@ -196,6 +200,11 @@ def make_ways(
             "broadcasts", source,
             buckets, leader, engine_dtype, controls, session.update_lease, reference=engine_dtype is None,
         ),
+        "broadcast-chain": lambda: BroadcastWay(
+            "broadcast-chain", "broadcast's gathers and buffers, each bucket relayed in pieces along a chain of the "
+            "engine ranks (every link carries it once: NCCL's ring broadcast)", source, buckets, leader, engine_dtype,
+            controls, session.update_lease, mode="chain",
+        ),
     }
     if gather_free is not None:
         available["gather-free"] = lambda: P2PWay(
@@ -212,4 +221,4 @@ def make_ways(
     return [available[n]() for n in names]
 
 
-WAYS = ("p2p", "gather-free", "broadcast", "broadcast-fp32")
+WAYS = ("p2p", "gather-free", "broadcast", "broadcast-chain", "broadcast-fp32")

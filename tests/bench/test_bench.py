@@ -48,8 +48,8 @@ def _check_common(result: dict[str, Any], ways: set[str]) -> None:
 
 def _check_broadcast_bytes(way: dict[str, Any], receivers: int) -> None:
     """The bytes the broadcast's members measured sending add up to every receiver getting the
-    payload once (gloo's tree: relays send what the trainer does not), beside a little for the
-    commands."""
+    payload once (gloo's tree and the chain: relays send what the trainer does not), beside a
+    little for the commands."""
     payload = next(iter(way["bytes_per_engine_rank"].values()))
     assert set(way["bytes_per_engine_rank"].values()) == {payload}
     sent = sum(way["bytes_per_sender"].values())
@@ -63,7 +63,7 @@ def test_bench_torch_engines_both_ways_measured_and_saved(capsys, tmp_path):
     args = ["bench", "--size", "tiny", "--updates", "1", "--raw-mib", "16", "--json", "--save", str(tmp_path)]
     assert main(args) == 0
     result = json.loads(capsys.readouterr().out)
-    _check_common(result, {"p2p", "gather-free", "broadcast"})
+    _check_common(result, {"p2p", "gather-free", "broadcast", "broadcast-chain"})
     model_bytes = result["setup"]["model"]["bytes"]
     p2p, broadcast = result["ways"]["p2p"], result["ways"]["broadcast"]
     for way in (p2p, result["ways"]["gather-free"]):
@@ -74,7 +74,8 @@ def test_bench_torch_engines_both_ways_measured_and_saved(capsys, tmp_path):
     assert 0 < free["gather_free_bytes"] < model_bytes  # trainer-0's rows of every tensor
     assert (free["gathered_bytes"], p2p["gather_free_bytes"]) == (0, 0)
     assert broadcast["reference"] and broadcast["gathers_step"] == p2p["gathers_step"]  # float32 both
-    _check_broadcast_bytes(broadcast, receivers=2)
+    for name in ("broadcast", "broadcast-chain"):
+        _check_broadcast_bytes(result["ways"][name], receivers=2)
     _check_memory_bound(result)
     saved = list(tmp_path.glob("*-torch-tiny.json"))
     assert len(saved) == 1 and json.loads(saved[0].read_text()) == result
@@ -116,12 +117,12 @@ def _check_engine_bench(result: dict[str, Any], kind: str, shards: dict[int, int
     from p2psync.bench.model import hf_shapes
     from p2psync.core.types import numel
 
-    _check_common(result, {"p2p", "gather-free", "broadcast", "broadcast-fp32"})
+    _check_common(result, {"p2p", "gather-free", "broadcast", "broadcast-chain", "broadcast-fp32"})
     ranks = {f"{kind}-{e}/{r}" for e in range(2) for r in range(2)}
     ways = result["ways"]
     assert ways["broadcast-fp32"]["reference"]
     full_bf16 = sum(2 * numel(shape) for shape in hf_shapes("moe-tiny").values())
-    for name in ("broadcast", "broadcast-fp32"):
+    for name in ("broadcast", "broadcast-chain", "broadcast-fp32"):
         assert set(ways[name]["bytes_per_engine_rank"]) == ranks
         assert all(n >= full_bf16 for n in ways[name]["bytes_per_engine_rank"].values())
         _check_broadcast_bytes(ways[name], receivers=4)
