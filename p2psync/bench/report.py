@@ -102,9 +102,15 @@ def summary(raw: Mapping[str, Any], limits: Mapping[str, Any], limits_after: Map
         way["verified"] = not way["mismatches"]
         way["reference"] = name == reference
         ways[name] = way
+    prediction = None
+    if raw["setup"].get("cluster"):
+        from .cluster_predict import predict_run
+
+        prediction = predict_run(raw["setup"], ways, [limits, limits_after])
     return {
         "setup": raw["setup"],
         "ways": ways,
+        "prediction": prediction,
         "gathers": {step: {"seconds": statistics.median(seconds[step]), "seconds_all": seconds[step]}
                     for step in sorted(set(raw["gathers_of"].values()))},
         "ratios": _ratios(ways),
@@ -236,6 +242,7 @@ def format_report(result: Mapping[str, Any]) -> str:
         best = " (the best broadcast)" if key.split("/")[0] == result.get("best_broadcast") else ""
         lines.append(f"  {key}{best}: {r['of_medians']:.2f}x (round by round {min(per):.2f}-{max(per):.2f}x; "
                      f"ideal, of the bounds: {r.get('of_bounds', float('nan')):.2f}x)")
+    lines += _prediction_lines(result.get("prediction"))
     lines.append("")
     for name, w in result["ways"].items():
         lines += _way_lines(name, w)
@@ -269,6 +276,21 @@ def _cluster_lines(topology: Mapping[str, Any] | None) -> list[str]:
         f"node{'s' if topology['engines'] > 1 else ''} of {topology['tp']} ranks; one NIC per {topology['nic']} "
         f"({len(topology['nics'])} NICs) on {link}; inside a node unshaped",
     ]
+
+
+def _prediction_lines(prediction: Mapping[str, Any] | None) -> list[str]:
+    if not prediction:
+        return []
+    if "skipped" in prediction:
+        return [f"  planner: no prediction ({prediction['skipped']})"]
+    lines = [f"  planner ({prediction['model']}):"]
+    for name, w in prediction["ways"].items():
+        parts = ", ".join(f"{k.removesuffix('_s')} {v:.3f}" for k, v in w.items() if k.endswith("_s") and k not in (
+            "predicted_s", "measured_s"))
+        lines.append(f"    {name:<15} predicted {w['predicted_s']:.3f} s, measured {w['measured_s']:.3f} s: "
+                     f"{w['error']:+.0%}{'' if w['within_tolerance'] else ' (over 20%: the model misses something)'}"
+                     f" [{parts}]")
+    return lines
 
 
 def _way_lines(name: str, w: Mapping[str, Any]) -> list[str]:

@@ -58,7 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="GB/s per sender of comparing with the baseline (default 300: in GPU memory)")
     p.add_argument("--shapes", choices=("auto", "sglang", "analytic"), default="auto",
                    help="auto: sglang's own model on meta when sglang imports (bf16), else the analytic model")
-    p.add_argument("--broadcast", choices=("ring", "star"), default="ring", help="broadcast path model (default ring)")
+    p.add_argument("--broadcast", choices=("ring", "star", "tree"), default="ring",
+                   help="broadcast path model (default ring: NCCL's; tree: gloo's binomial tree)")
     p.add_argument("--png", help="draw the per-NIC load into this PNG (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--compare-miles", action="store_true",

@@ -13,7 +13,9 @@ Link model (stated in every output):
   receives each byte once and forwards it once, so an engine rank's NIC carries the
   whole model; time = most bytes through a NIC / bandwidth + (tensors + ring
   length) x latency. "star" has the head send to each engine rank in turn: its NIC
-  carries stage bytes x engine ranks.
+  carries stage bytes x engine ranks. "tree" is gloo's broadcast, a binomial tree over
+  the head (member 0) and the engine ranks (members 1...): member i sends to i + 2^k for
+  every 2^k > i, so the head's NIC carries stage bytes x ceil(log2 members).
 The wire only: `update.whole_update` adds the trainer's gathers, the production of the
 bytes and the engines' control calls.
 """
@@ -40,7 +42,14 @@ _BNOTE = {
     "ring": " (NCCL pipelined ring: each engine-rank NIC receives and forwards every byte once; + (tensors + ring "
             "length) x latency)",
     "star": " (star: the head NIC carries stage bytes x engine ranks)",
+    "tree": " (gloo's binomial tree: the head NIC carries stage bytes x ceil(log2 members); + log2 hops x latency)",
 }
+
+
+def tree_sends(member: int, members: int) -> int:
+    """How many members a binomial-tree broadcast's `member` sends to: i + 2^k for every 2^k > i
+    that is a member (gloo's broadcast; member 0 is the root)."""
+    return sum(1 for k in range(members.bit_length()) if 2**k > member and member + 2**k < members)
 
 
 @dataclass
@@ -137,11 +146,18 @@ def predict(cluster: Cluster, shapes: ShapeModel, broadcast_model: str = "ring",
             b_send[head] += full * len(engine_nics)
             for nic in engine_nics:
                 b_recv[nic] += full
+        elif broadcast_model == "tree":
+            members = 1 + len(engine_nics)
+            b_send[head] += full * tree_sends(0, members)
+            for i, nic in enumerate(engine_nics):
+                b_recv[nic] += full
+                b_send[nic] += full * tree_sends(1 + i, members)
         else:
-            raise ValueError(f"broadcast model must be ring or star, not {broadcast_model!r}")
+            raise ValueError(f"broadcast model must be ring, star or tree, not {broadcast_model!r}")
     b_most = max([*b_send.values(), *b_recv.values()])
-    hops = len(engine_nics) + 1 if broadcast_model == "ring" else 1
-    msgs = max_tensors * (1 if broadcast_model == "ring" else len(engine_nics))
+    hops = {"ring": len(engine_nics) + 1, "star": 1, "tree": len(engine_nics).bit_length()}[broadcast_model]
+    msgs = max_tensors * {"ring": 1, "star": len(engine_nics), "tree": tree_sends(0, 1 + len(engine_nics))}[
+        broadcast_model]
     broadcast = b_most / bw + (msgs + hops) * lat
     return Prediction(
         cluster=c, shapes=shapes, plans=plans, sender_bytes=dict(sender_bytes), receiver_bytes=dict(receiver_bytes),

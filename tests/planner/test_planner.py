@@ -100,7 +100,7 @@ def test_engines_with_equal_parallelism_share_units() -> None:
     assert a[("engine-0", 0)] == a[("engine-1", 0)] != a[("engine-0", 1)] == a[("engine-1", 1)]
 
 
-@pytest.mark.parametrize("bmodel", ["ring", "star"])
+@pytest.mark.parametrize("bmodel", ["ring", "star", "tree"])
 def test_broadcast_predicted_slower_than_p2p_with_engine_ep(bmodel: str) -> None:
     c = Cluster(train_ranks=16, train_pp=2, engines=2, engine_tp=8, engine_ep=8)
     p = predict(c, analytic_shapes(preset("Qwen3-30B-A3B"), 8, 8, "bf16"), bmodel)
@@ -294,3 +294,21 @@ def test_delta_compare_counts_each_unit_once() -> None:
     p2p = whole_update(p, analytic_shapes(SMALL, 1, 1, "bf16"), Costs())["ways"]["p2psync"]
     way = delta_way(p, p2p, DeltaCosts(0.01, compare_gbytes=2.0), produce_gbytes=1000.0)
     assert way["compare_s"] == pytest.approx(3 * one_engine / 2e9)
+
+
+def test_gloo_tree_broadcast_sends_as_a_binomial_tree_by_hand() -> None:
+    """gloo's broadcast over a head and 4 engine ranks: member i sends to i + 2^k (2^k > i), so
+    the head sends 3 copies (to 1, 2, 4) and member 1 one (to 3), as the cluster in a box's NIC
+    counters measured (839.6 MB = 3 x 279.9 MB from trainer rank 0, 280.0 MB from the first
+    engine rank); the ring (the chain) sends one copy from every member but the last."""
+    shapes = analytic_shapes(SMALL, tp=2, ep=1, dtype="bf16")
+    cluster = Cluster(train_ranks=4, engines=2, engine_tp=2, gpus_per_node=4, nics_per_node=4, nic_gbps=8.0,
+                      latency_us=0.0)
+    full = predict(cluster, shapes, "ring").stage_full_bytes[0]
+    tree, ring = predict(cluster, shapes, "tree"), predict(cluster, shapes, "ring")
+    assert tree.bcast_nic_send[cluster.trainer_nic(0)] == 3 * full
+    # the head, and engine rank 0 of engine 0; every other NIC sends nothing
+    assert sorted(n for n in tree.bcast_nic_send.values() if n) == [full, 3 * full]
+    assert tree.bcast_nic_send[cluster.engine_nic(0, 0)] == full
+    assert sorted(n for n in ring.bcast_nic_send.values() if n) == [full] * 4  # the head, three engine ranks relaying
+    assert tree.broadcast_s == pytest.approx(3 * full / 1e9) and ring.broadcast_s == pytest.approx(full / 1e9)
