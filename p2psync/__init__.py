@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         PluginError,
         RendezvousError,
         TrainerLost,
+        TrainerRankFailed,
         TransferError,
         TransferTimeout,
         UpdateError,
@@ -54,7 +55,8 @@ _EXPORTS = {
     **dict.fromkeys(
         [
             "P2PSyncError", "PluginError", "OptionsError", "ConnectError", "RendezvousError", "TransferError",
-            "TransferTimeout", "ControlError", "UpdateError", "TrainerLost", "ConcurrentCallError", "VersionError",
+            "TransferTimeout", "ControlError", "UpdateError", "TrainerLost", "TrainerRankFailed",
+            "ConcurrentCallError", "VersionError",
             "where",
         ],
         "p2psync.core.errors",

@@ -50,6 +50,16 @@ class TrainerLost(UpdateError):
     """A trainer rank left the world during `update`; the message names it."""
 
 
+class TrainerRankFailed(UpdateError):
+    """`update` raised on one or more trainer ranks whose processes live on (the caller's
+    `progress`, a source's own code): every rank raises this, at the same point, naming each
+    failing rank and its exception (`failures`: rank -> "Type: message")."""
+
+    def __init__(self, message: str, failures: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+
 class ConcurrentCallError(P2PSyncError):
     """`connect` or `update` was called on a Session while another thread's call was running
     on it; the running call is not disturbed."""

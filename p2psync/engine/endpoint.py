@@ -25,6 +25,7 @@ from ..core.control import ControlServer, Refused
 from ..core.digest import byte_view, digest
 from ..core.host import local_host
 from ..core.errors import P2PSyncError, where
+from ..core.exits import CloseAtExit
 from ..core.memory import device_of
 from ..core.types import TargetParam, TargetTable
 from .claim import claim
@@ -106,6 +107,7 @@ class EngineEndpoint:
         self._closing = False
         self._watch: threading.Thread | None = None
         self._server: ControlServer | None = None
+        self._at_exit = CloseAtExit(self)
 
     @classmethod
     def serve(
@@ -191,7 +193,8 @@ class EngineEndpoint:
 
     def close(self) -> None:
         """Withdraw the table (unless a successor replaced it), stop serving control calls,
-        unregister the memory."""
+        unregister the memory (at interpreter exit, if not called before)."""
+        self._at_exit.cancel()
         if self.table is not None:
             try:
                 self.rendezvous.unpublish(self.table)

@@ -32,6 +32,7 @@ from .buffers import Lease
 from .calls import UpdateCalls
 from .compiler import UnitWrites
 from .connection import Connection
+from .failures import RankFailures
 from .gather_ahead import GatherAhead
 from .gatherfree import Packing
 from .modes import UpdateMode
@@ -85,20 +86,26 @@ class UpdateRun:
     """The update to `version` over `conn`, in `mode`."""
 
     def __init__(
-        self, conn: Connection, source: TrainerSource, mode: UpdateMode, settings: RunSettings, version: str
+        self, conn: Connection, source: TrainerSource, mode: UpdateMode, settings: RunSettings, version: str,
+        failures: RankFailures,
     ) -> None:
         assert conn.compiled is not None and conn.pool is not None
         self.conn, self.compiled, self.pool = conn, conn.compiled, conn.pool
         self.source, self.mode, self.settings, self.version = source, mode, settings, version
+        self.failures = failures
         self.clock = PhaseClock()
         self.calls = UpdateCalls(conn.controls, version, settings.lease)
         self.failed: dict[str, str] = {}  # engines that refused the pause
 
     def run(self, progress: Callable[[int, int], None] | None, full: bool) -> UpdateReport:
+        """The update; every rank takes part in every collective even once its own work failed
+        (`failures`), so that each rank raises the same error at the same point."""
         start = time.monotonic()
-        self.mode.begin(full, self.clock)
+        failures = self.failures
         leader = self.settings.rank == 0
-        self.failed = collectives.broadcast(self.calls.pause_all() if leader else None)
+        failures.run("the update's start", lambda: self.mode.begin(full, self.clock))
+        paused = failures.run("the pause calls", self.calls.pause_all) if leader else None
+        self.failed = collectives.broadcast(paused) or {}
         self.clock.lap("pause")
         for engine, writer in self.conn.writers.items():
             writer.start_update()
@@ -108,27 +115,36 @@ class UpdateRun:
         steps = Steps(progress, len(self.compiled.packed) + len(self.compiled.buckets))
         packed = self._send_gather_free(steps)
         produced = self._send_gathered(steps)
-        for writer in self.conn.writers.values():
-            writer.wait()
+        with failures.guard("waiting for the writes"):
+            for writer in self.conn.writers.values():
+                writer.wait()
         self.clock.lap("drain")
         if self.settings.check:
-            self._progressed()
-            for writes, sent in [*produced, *packed]:
-                self._verify(writes, sent)
+            failures.run("the digest check", lambda: self._check([*produced, *packed]))
             self.clock.lap("verify")
 
         mine: WriteStatus = {
             engine: (w.progress.rank_bytes, (w.progress.last_done or start) - start, w.progress.error)
             for engine, w in self.conn.writers.items()
         }
-        per_rank = collectives.all_gather((mine, self.compiled.degraded, self.compiled.gather_free_bytes))
-        report = collectives.broadcast(self._report(start, per_rank) if leader else None)
+        per_rank = collectives.all_gather(
+            (mine, self.compiled.degraded, self.compiled.gather_free_bytes, failures.error)
+        )
+        failures.raise_any(self.version, {rank: error for rank, (*_, error) in enumerate(per_rank)})
+        made = failures.run("the report", lambda: self._report(start, [p[:3] for p in per_rank])) if leader else None
+        report, error = collectives.broadcast((made, failures.error) if leader else None)
+        failures.raise_any(self.version, {0: error})
         self.clock.lap("finish")
         self.mode.finish(report)
         if leader:
             for note in report.degraded:
                 log.warning("update %s degraded: %s", self.version, note)
         return report
+
+    def _check(self, sent: Sequence[tuple[UnitWrites, dict[str, Produced]]]) -> None:
+        self._progressed()
+        for writes, produced in sent:
+            self._verify(writes, produced)
 
     def _progressed(self) -> None:
         """Renew the engines' leases (world rank 0); an engine whose writes failed is not
@@ -140,20 +156,32 @@ class UpdateRun:
             self.conn.writers[engine].fail(error)
 
     def _send_gather_free(self, steps: Steps) -> list[tuple[UnitWrites, dict[str, Produced]]]:
-        """Write this rank's own parts of every gather-free group."""
-        out = []
-        if self.compiled.packed:
-            shards = self.source.local_shards(self.compiled.packed_inputs)
+        """Write this rank's own parts of every gather-free group (no collectives: a rank
+        stops at its next unit once the update failed anywhere)."""
+        out: list[tuple[UnitWrites, dict[str, Produced]]] = []
+        if not self.compiled.packed:
+            return out
+        shards = self.failures.run(
+            "the source's local shards", lambda: self.source.local_shards(self.compiled.packed_inputs)
+        )
+        if shards is not None:
             for writes, packings in self.compiled.packed:
-                sent: dict[str, Produced] = {}
-                fills: list[Fill] = [(p.nbytes, functools.partial(_fill_packed, p, shards), p.slot) for p in packings]
-                self._send(writes, fills, sent)
-                out.append((writes, sent))
-                self._progressed()
-                steps.done()
-            del shards
-            self.clock.lap("produce")
+                send = functools.partial(self._send_packed, writes, packings, shards, steps, out)
+                self.failures.run(f"gather-free unit {writes.unit}", send)
+        del shards
+        self.clock.lap("produce")
         return out
+
+    def _send_packed(
+        self, writes: UnitWrites, packings: Sequence[Packing], shards: Mapping[str, Any], steps: Steps,
+        out: list[tuple[UnitWrites, dict[str, Produced]]],
+    ) -> None:
+        sent: dict[str, Produced] = {}
+        fills: list[Fill] = [(p.nbytes, functools.partial(_fill_packed, p, shards), p.slot) for p in packings]
+        self._send(writes, fills, sent)
+        out.append((writes, sent))
+        self._progressed()
+        steps.done()
 
     def _send_gathered(self, steps: Steps) -> list[tuple[UnitWrites, dict[str, Produced]]]:
         """Gather each bucket and write the groups the plan gave this rank."""
@@ -164,22 +192,26 @@ class UpdateRun:
         ahead = GatherAhead(lambda names: self.source.gather_cast(names, {n: dtypes[n] for n in names if n in dtypes}),
                             buckets)
         try:
-            for i, tensors in ahead:
+            for i, tensors in ahead:  # every bucket is gathered, even after a failure: the others gather too
                 self.clock.lap("gather")  # waiting for this bucket's gathers, once production is ahead of them
-                for writes, groups in self.compiled.work[i]:
-                    units.setdefault(writes.unit, writes)
-                    fills: list[Fill] = [
-                        (g.nbytes, functools.partial(writes.layout.fill, g, tensors), g) for g in groups
-                    ]
-                    self._send(writes, fills, produced[writes.unit])
-                    del fills  # the bucket's tensors go once the next is asked for
-                self.clock.lap("produce")
+                self.failures.run(f"bucket {i}", functools.partial(self._send_bucket, i, tensors, units, produced, steps))
                 del tensors
-                self._progressed()
-                steps.done()
         finally:
             ahead.close()
         return [(writes, produced[unit]) for unit, writes in units.items()]
+
+    def _send_bucket(
+        self, i: int, tensors: Mapping[str, torch.Tensor], units: dict[str, UnitWrites],
+        produced: dict[str, dict[str, Produced]], steps: Steps,
+    ) -> None:
+        for writes, groups in self.compiled.work[i]:
+            units.setdefault(writes.unit, writes)
+            fills: list[Fill] = [(g.nbytes, functools.partial(writes.layout.fill, g, tensors), g) for g in groups]
+            self._send(writes, fills, produced[writes.unit])
+            del fills  # the bucket's tensors go once the next is asked for
+        self.clock.lap("produce")
+        self._progressed()
+        steps.done()
 
     def _send(self, writes: UnitWrites, fills: list[Fill], produced: dict[str, Produced]) -> None:
         """Fill transfer buffers with one unit's groups and hand them to the writers; in delta

@@ -9,10 +9,12 @@ decides what each target receives (every byte, or a delta).
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from ..core.errors import ConnectError, P2PSyncError, TrainerLost, UpdateError, first_line
+from ..core.exits import CloseAtExit
 from ..core.plugins import Registry, registry as default_registry
 from ..core.rendezvous import Rendezvous
 from ..core.report import UpdateReport
@@ -22,6 +24,7 @@ from ..core.types import TargetTable
 from . import collectives
 from .connect import Connector
 from .connection import Connection
+from .failures import RankFailures
 from .guards import OneCallAtATime, VersionLabels
 from .liveness import Heartbeat
 from .modes import mode_for
@@ -31,6 +34,8 @@ from .run import RunSettings, UpdateRun
 from .stats import SessionStats, snapshot
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Session:
@@ -66,6 +71,8 @@ class Session:
         self._heartbeat = Heartbeat(rendezvous, self.rank, collectives.world_size())
         self._broken: str | None = None  # why update cannot run again
         self._last: UpdateRun | None = None
+        self._id = uuid.uuid4().hex  # world rank 0's, once connected: this session's keys in the rendezvous
+        self._updates = 0  # updates begun: each has its own failure key in the rendezvous
         self._calls = OneCallAtATime(self.rank)
         self._labels = VersionLabels()
         self._mode = mode_for(
@@ -76,6 +83,7 @@ class Session:
             source=source, transport=self.transport, rendezvous=rendezvous, options=opts,
             registry=self.registry, token=self.token, mode=self._mode,
         )
+        self._at_exit = CloseAtExit(self)
 
     @property
     def plan(self) -> Plan | None:
@@ -115,24 +123,13 @@ class Session:
         named_twice = sorted({e for e in engines if list(engines).count(e) > 1})
         if named_twice:
             raise ConnectError(f"engine {named_twice[0]!r} is named twice in connect({list(engines)!r})")
-        read = self._connector.read_tables(engines) if self.rank == 0 else None  # the tables, or why not
-        tables = cast("dict[str, list[TargetTable]] | str", collectives.broadcast(read))
+        read = (self._connector.read_tables(engines), self._id) if self.rank == 0 else None  # the tables, or why not
+        tables, self._id = cast("tuple[dict[str, list[TargetTable]] | str, str]", collectives.broadcast(read))
         if isinstance(tables, str):
             raise ConnectError(tables)
         candidate = Connection(tables)
-        held = collectives.all_gather(self._connector.local_ranges())  # before anything that may fail on one rank only
-        error: str | None = None
-        try:
-            self._connector.prepare(candidate, self._conn, held)
-        except Exception as exc:  # every rank must reach the all_gather below, whatever failed
-            if not isinstance(exc, P2PSyncError):
-                log.exception("connect failed on this rank")
-            what = str(exc) if isinstance(exc, P2PSyncError) else f"{type(exc).__name__}: {exc}"
-            error = f"rank {self.rank}: {what}"
-        errors = [e for e in collectives.all_gather(error) if e]
-        if errors:
-            candidate.close_unless_in(self._conn)
-            raise ConnectError("; ".join(errors))
+        held = self._on_every_rank(candidate, self._connector.local_ranges)
+        self._on_every_rank(candidate, lambda: self._connector.prepare(candidate, self._conn, held))
         if self._conn is not None:
             self._conn.close_unless_in(candidate)
         self._conn = candidate
@@ -144,6 +141,26 @@ class Session:
             len(tables), sum(len(t) for t in tables.values()),
             len(candidate.compiled.plan.targets_of(self.rank)), len(candidate.compiled.buckets),
         )
+
+    def _on_every_rank(self, candidate: Connection, step: Callable[[], T]) -> list[T]:
+        """Every rank's `step()`, in rank order; where it raised on any rank, ConnectError on
+        every rank naming each failing rank and why (every rank reaches the all_gather, whatever
+        failed), and the candidate connection is closed."""
+        result: T | None = None
+        error: str | None = None
+        try:
+            result = step()
+        except Exception as exc:
+            if not isinstance(exc, P2PSyncError):
+                log.exception("connect failed on this rank")
+            what = str(exc) if isinstance(exc, P2PSyncError) else f"{type(exc).__name__}: {exc}"
+            error = f"rank {self.rank}: {what}"
+        gathered = collectives.all_gather((result, error))
+        errors = [e for _, e in gathered if e]
+        if errors:
+            candidate.close_unless_in(self._conn)
+            raise ConnectError("; ".join(errors))
+        return [cast(T, r) for r, _ in gathered]
 
     def update(
         self,
@@ -159,8 +176,9 @@ class Session:
         engines whose writes or checks failed are left paused and listed as stale.
         `progress(done, total)` is called after each step: each unit this rank sends
         gather-free, then each bucket it gathers. A failure on the trainer
-        side (a lost trainer rank, a failed gather, an exception from `progress`)
-        raises UpdateError (TrainerLost naming the lost ranks); the engines paused for
+        side raises UpdateError on every rank: TrainerRankFailed naming the rank and its
+        exception where a rank's own code raised (`progress`, the source), TrainerLost naming
+        the ranks that left the world where a collective failed; the engines paused for
         this update are not resumed, and the session cannot update again. In delta
         mode, `full` sends every target its full bytes this time. A version label used
         before in this session, or one ordering before the latest, raises VersionError
@@ -180,7 +198,12 @@ class Session:
         self._labels.check(version, rollback=rollback)
         self._labels.record(version)
         settings = RunSettings(self.rank, self.check, self.options.transfer_timeout, self.options.lease_seconds)
-        self._last = UpdateRun(conn, self.source, self._mode, settings, version)
+        self._updates += 1
+        failures = RankFailures(
+            self.rendezvous if collectives.world_size() > 1 else None, self.rank,
+            f"trainer/session/{self._id}/update/{self._updates}/failed",
+        )
+        self._last = UpdateRun(conn, self.source, self._mode, settings, version, failures)
         with self._heartbeat:
             try:
                 return self._last.run(progress, full)
@@ -214,7 +237,9 @@ class Session:
             self._conn.abandon_laggards(since, self.options.transfer_timeout)
 
     def close(self) -> None:
-        """Stop write threads, close peers and control clients, unregister buffers."""
+        """Stop write threads, close peers and control clients, unregister buffers (at
+        interpreter exit, if not called before)."""
+        self._at_exit.cancel()
         self._mode.close()
         if self._conn is not None:
             self._conn.close_unless_in(None)
