@@ -35,9 +35,25 @@ class EngineControl(ABC):
         """After every write landed: post-process, drop what the old weights
         computed (prefix and KV caches), set the weight version, resume serving."""
 
+    def fail(self, version: str, reason: str) -> None:
+        """The trainer gave up on the update to `version` for `reason` (a failed digest check
+        naming every parameter, failed writes): mark the engine stale now, out of serving
+        until a later update finishes. Engines without it stay paused until their lease runs
+        out."""
+
     @abstractmethod
     def digests(self, rank: int, regions: Mapping[str, Sequence[Region]]) -> dict[str, str]:
         """Digest of the bytes `rank` holds in the given regions of each parameter."""
+
+    def held(self) -> dict[int, tuple[str | None, str | None]]:
+        """Per rank, the version it holds and why its weights may no longer be what that
+        version's update left (written outside p2psync: a load route, a hook that rewrote
+        them, a stray write), or None. Asked at the start of every delta update, after
+        `pause`: a rank that holds another version than the trainer's baseline, or whose
+        weights changed, gets its full bytes; from the first call on, the engine
+        fingerprints what each update leaves. {} where the engine cannot tell (raises
+        ControlError where it cannot be reached)."""
+        return {}
 
     def apply_patch(self, rank: int, version: str, records: Sequence[PatchRecord]) -> None:
         """Have `rank` scatter the delta patch written into its patch area into its

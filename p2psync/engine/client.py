@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..core.control import post
@@ -47,12 +48,21 @@ class EndpointControl(EngineControl):
         for table in self.tables:
             self._call(table, "finish", {"version": version})
 
+    def fail(self, version: str, reason: str) -> None:
+        for table in self.tables:
+            self._call(table, "fail", {"version": version, "reason": reason})
+
     def digests(self, rank: int, regions: Mapping[str, Sequence[Region]]) -> dict[str, str]:
         spans = {name: [[r.param_offset, r.nbytes] for r in rs] for name, rs in regions.items()}
         return self._call(self.tables[rank], "digest", {"regions": spans})["digests"]
 
     def apply_patch(self, rank: int, version: str, records: Sequence[PatchRecord]) -> None:
         self._call(self.tables[rank], "patch", {"version": version, "records": [r.to_wire() for r in records]})
+
+    def held(self) -> dict[int, tuple[str | None, str | None]]:
+        with ThreadPoolExecutor(max_workers=max(1, len(self.tables)), thread_name_prefix="p2psync-held") as pool:
+            answers = list(pool.map(lambda table: self._call(table, "held"), self.tables))
+        return {table.rank: (answer["version"], answer["altered"]) for table, answer in zip(self.tables, answers)}
 
     def info(self, rank: int) -> dict[str, Any]:
         return self._call(self.tables[rank], "info")

@@ -30,6 +30,7 @@ from ..core.memory import device_of
 from ..core.types import TargetParam, TargetTable
 from .claim import claim
 from .client import EndpointControl
+from .fingerprints import HeldWeights
 from .hooks import EndpointOptions, EngineHooks
 from .patch import PatchArea, default_area_bytes
 from .state import EngineState
@@ -107,6 +108,7 @@ class EngineEndpoint:
         self._closing = False
         self._watch: threading.Thread | None = None
         self._server: ControlServer | None = None
+        self.held = HeldWeights(self.params)
         self._at_exit = CloseAtExit(self)
 
     @classmethod
@@ -154,7 +156,8 @@ class EngineEndpoint:
         self.transport_info = self.transport.expose(exposed)
         routes = {
             "pause": self._pause, "renew": self._renew, "patch": self._patch, "finish": self._finish,
-            "digest": self._digest, "info": self._info, "retire": self._retire,
+            "digest": self._digest, "info": self._info, "retire": self._retire, "held": self._held,
+            "fail": self._fail,
         }
         routes.update({name: self._serving_only(handler) for name, handler in self.hooks.routes.items()})
         self._server = ControlServer(routes, host=self.host, token=self.token)
@@ -188,6 +191,11 @@ class EngineEndpoint:
             instance=f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}",
             patch_area=(self.patches.tensor.data_ptr(), self.patches.nbytes) if self.patches else None,
         )
+
+    def weights_written(self, what: str) -> None:
+        """Tell the endpoint that something outside p2psync wrote its weights (`what`: a load
+        route, a hook): the next delta update sends this rank its full bytes."""
+        self.held.written(what)
 
     # -- life -----------------------------------------------------------------------------
 
@@ -236,7 +244,13 @@ class EngineEndpoint:
             self._changed.notify_all()
             if was_serving:
                 self.hooks.pause()
+        self.held.settle()  # the last update's fingerprints are read before any write lands
         return self.state.status()
+
+    def _held(self, body: dict[str, Any]) -> dict[str, Any]:
+        altered = self.held.altered()
+        with self._lock:
+            return {"version": self.state.version, "altered": altered}
 
     def _renew(self, body: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
@@ -258,10 +272,19 @@ class EngineEndpoint:
             self.hooks.post_process()
             self.hooks.flush_cache()
             self.state.complete(version)
+            self.held.finished(version)
             self._changed.notify_all()
             self.hooks.resume()
         log.info("%s: serving weight version %s", self.where, version)
         return {"version": version}
+
+    def _fail(self, body: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            stale = self.state.fail(str(body["version"]), str(body["reason"]))
+            self._changed.notify_all()
+        log.error("%s: %s; not serving until an update finishes", self.where, stale)
+        self.hooks.on_stale(stale)
+        return {}
 
     def _retire(self, body: dict[str, Any]) -> dict[str, Any]:
         reason = f"replaced by incarnation {int(body['incarnation'])} of {self.where}"

@@ -77,6 +77,14 @@ class EngineState:
         self.lease_until = None
         return self.stale
 
+    def fail(self, version: str, reason: str) -> str:
+        """The trainer gave up on the update to `version` (`reason`: a failed check, failed
+        writes): stale at once, not serving until a later update finishes; the stale mark."""
+        self.check_update(version, "fail")
+        self.stale = f"update {version!r} failed (was serving {self.version!r}): {reason}"
+        self.lease_until = None
+        return self.stale
+
     def retire(self, reason: str) -> bool:
         """Replaced for good by a successor; True if the engine was serving until now."""
         was_serving = self.serving

@@ -14,6 +14,7 @@ stops renewing.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 
@@ -21,6 +22,7 @@ from ..core.delta import PatchRecord
 from ..core.engine import EngineControl
 from ..core.errors import ConnectError, ControlError
 from ..core.types import Region
+from .delta_send import Held
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,22 @@ class UpdateCalls:
         self._renewed = time.monotonic()
         return failed
 
+    def held(self, ranks: Mapping[str, int], skip: Collection[str]) -> Held:
+        """Per engine not in `skip` (of `ranks[engine]` ranks) that can tell: per rank, the
+        version it holds and why its weights may differ from what that update left; an
+        engine that cannot be reached is taken as changed on every rank."""
+        out: dict[str, Mapping[int, tuple[str | None, str | None]]] = {}
+        for engine, control in self.controls.items():
+            if engine in skip:
+                continue
+            try:
+                held = control.held()
+            except ControlError as exc:
+                held = {rank: (None, f"it could not say what it holds: {exc}") for rank in range(ranks[engine])}
+            if held:
+                out[engine] = held
+        return out
+
     def progressed(self, failed: Collection[str]) -> dict[str, str]:
         """The update made progress: renew the leases of the engines not `failed`, if due.
         Returns the engines whose renewal failed, with why: an engine that cannot be reached
@@ -82,6 +100,18 @@ class UpdateCalls:
         except ControlError as exc:
             return f"finish failed: {exc}"
         return None
+
+    def fail(self, engine: str, reason: str) -> None:
+        """Tell `engine`, on a thread of its own (a stopped engine must not hold up the
+        report), that this update failed on it and why; it stays out of serving."""
+
+        def tell() -> None:
+            try:
+                self.controls[engine].fail(self.version, reason)
+            except ControlError as exc:  # unreachable: its lease runs out instead
+                log.warning("telling engine %s that its update failed did not reach it: %s", engine, exc)
+
+        threading.Thread(target=tell, name=f"p2psync-fail-{engine}", daemon=True).start()
 
     def digests(self, engine: str, rank: int, regions: Mapping[str, Sequence[Region]]) -> dict[str, str]:
         """Digests of what `engine`'s `rank` holds in `regions` (raises ControlError)."""

@@ -44,6 +44,7 @@ from ..core.delta import (
     piece,
     record_bytes,
 )
+from ..core.errors import where
 from ..core.layout import ALIGN
 from ..core.types import Region, TargetId, TargetTable, dtype_size
 
@@ -57,6 +58,8 @@ if TYPE_CHECKING:
 Served = Mapping[str, tuple[Sequence[TargetTable], Sequence[Slotted]]]
 #: Which share of every patch area a sender patches: (its index, how many shares).
 Share = tuple[int, int]
+#: Per engine, per rank: the version it holds and why its weights may differ from that update's.
+Held = Mapping[str, Mapping[int, tuple[str | None, str | None]]]
 
 
 @dataclass
@@ -78,6 +81,7 @@ class DeltaStats:
     changed: int = 0
     compared: int = 0
     over_budget: int = 0  # units without a baseline: the memory budget is too small
+    altered: dict[TargetId, str] = field(default_factory=dict)  # sent in full: changed outside p2psync
 
 
 class DeltaSender:
@@ -106,13 +110,14 @@ class DeltaSender:
         self.stats = DeltaStats()
         self._pool: BufferPool | None = None
         self._tables: dict[TargetId, TargetTable] = {}
-        self._held: dict[TargetId, int] = {}
+        self._held: dict[TargetId, tuple[int, str]] = {}  # the update (count, version) a target holds
         self._served: dict[str, list[TargetTable]] = {}
         self._elem: dict[str, dict[str, int]] = {}
         self._delta: set[tuple[str, TargetId]] = set()  # (unit, target): a target may get two units
         self._open: StagedPatch | None = None
         self._ready: list[StagedPatch] = []
         self._updates = 0
+        self._version = ""
         self._share: Share = (0, 1)
 
     # -- connect ---------------------------------------------------------------------------
@@ -161,20 +166,43 @@ class DeltaSender:
 
     # -- update ----------------------------------------------------------------------------
 
-    def begin(self, full: bool) -> None:
-        """Decide which served targets get a delta in this update (before any baseline changes)."""
+    def begin(self, full: bool, version: str, held: Held) -> None:
+        """Decide which served targets get a delta in the update to `version` (before any
+        baseline changes). A target whose engine says (`held`) that it holds another version
+        than this sender's last update to it (another writer updated it), or that its weights
+        changed since, holds no baseline any more: it gets its full bytes."""
         due = self.options.full_every > 0 and self._updates % self.options.full_every == 0
         self._updates += 1
+        self._version = version
         self._delta = set()
+        changed = self._unproven(held)
+        for target in changed:
+            self._held.pop(target, None)
         if not (full or due) and self._pool is not None:
             for unit, unit_tables in self._served.items():
                 base = self.store.update_of(unit)
                 for table in unit_tables:
-                    if table.patch_area is not None and base is not None and self._held.get(table.target) == base:
+                    holds = self._held.get(table.target)
+                    if table.patch_area is not None and base is not None and holds is not None and holds[0] == base:
                         self._delta.add((unit, table.target))
         left_out = self.store.start_update()
         targets = sorted({target for _, target in self._delta}, key=str)
-        self.stats = DeltaStats(targets=targets, over_budget=len(left_out))
+        self.stats = DeltaStats(targets=targets, over_budget=len(left_out), altered=changed)
+
+    def _unproven(self, held: Held) -> dict[TargetId, str]:
+        """The targets believed to hold an update of this sender's whose engine says otherwise."""
+        out = {}
+        for target, (_, version) in self._held.items():
+            says = held.get(target.engine_id, {}).get(target.rank)
+            if says is None:  # the engine cannot tell (or was not asked): trusted
+                continue
+            engine_version, why = says
+            if why is not None:
+                out[target] = why
+            elif engine_version != version:
+                out[target] = (f"it holds version {engine_version!r}, not {version!r} of this session's baseline "
+                               "(another session or trainer updated it)")
+        return out
 
     def is_delta(self, unit: str, target: TargetId) -> bool:
         return (unit, target) in self._delta
@@ -288,6 +316,10 @@ class DeltaSender:
             report.compared_elements += stats.compared
         for engine in report.engines.values():
             engine.delta_ranks = sorted(set(engine.delta_ranks))  # gather-free, several senders patch a rank
+        for target, why in sorted(self.stats.altered.items(), key=lambda item: str(item[0])):  # alike on every rank
+            report.degraded.append(
+                f"delta: {where(target.engine_id, target.rank)} was sent its full bytes, not a delta: {why}"
+            )
         over_budget = sum(stats.over_budget for _, stats in per_rank)
         if over_budget:
             report.degraded.append(
@@ -297,7 +329,7 @@ class DeltaSender:
         for target in self._tables:
             outcome = report.engines.get(target.engine_id)
             if outcome is not None and outcome.ok:
-                self._held[target] = self._updates
+                self._held[target] = (self._updates, self._version)
             else:
                 self._held.pop(target, None)
         self.store.seal(self._updates)

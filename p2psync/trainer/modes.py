@@ -15,7 +15,7 @@ from ..core.delta import PatchRecord
 from ..core.types import Region, TargetId, TargetTable
 from .baseline import Slotted
 from .buffers import BufferPool
-from .delta_send import DeltaSender, Served, Share, StagedPatch
+from .delta_send import DeltaSender, Held, Served, Share, StagedPatch
 from .options import DeltaOptions
 
 if TYPE_CHECKING:
@@ -30,6 +30,7 @@ class FullUpdates:
 
     baseline_bytes = 0
     patch_buffer_bytes = 0
+    proves_baselines = False  # nothing rests on what an engine held before
 
     def pool_for(
         self, served: Served, share: Share, current: BufferPool | None, transport: Transport
@@ -41,7 +42,7 @@ class FullUpdates:
     ) -> None:
         pass
 
-    def begin(self, full: bool, clock: PhaseClock) -> None:
+    def begin(self, full: bool, version: str, clock: PhaseClock, held: Held) -> None:
         pass
 
     def is_delta(self, unit: str, target: TargetId) -> bool:
@@ -84,6 +85,11 @@ class DeltaUpdates:
         self._clock: PhaseClock | None = None
 
     @property
+    def proves_baselines(self) -> bool:
+        """Patches rest on the engines holding their baselines: ask them first."""
+        return self.sender.options.prove_baselines
+
+    @property
     def baseline_bytes(self) -> int:
         return self.sender.store.held_bytes
 
@@ -101,9 +107,11 @@ class DeltaUpdates:
     ) -> None:
         self.sender.connect(tables, served, share, pool)
 
-    def begin(self, full: bool, clock: PhaseClock) -> None:
+    def begin(self, full: bool, version: str, clock: PhaseClock, held: Held) -> None:
+        """Decide the delta targets of the update to `version`, given what the engines say
+        they `held` (see `UpdateCalls.held`)."""
         self._clock = clock
-        self.sender.begin(full)
+        self.sender.begin(full, version, held)
 
     def is_delta(self, unit: str, target: TargetId) -> bool:
         return self.sender.is_delta(unit, target)

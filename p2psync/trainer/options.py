@@ -19,10 +19,16 @@ GATHER_MODES = ("auto", "always")
 class DeltaOptions:
     """Delta updates (`SessionOptions.delta`): `full_every` makes every N-th update a full
     one (0: only targets that need one get it); `memory_bytes` bounds the baselines a
-    sender holds (None: no bound); units beyond it are always sent in full."""
+    sender holds (None: no bound); units beyond it are always sent in full.
+    `prove_baselines` (default on) has every engine show, at the start of each update,
+    that its weights are still what the last update left (fingerprints the engine takes
+    off the update's path; writes it sees itself): a rank that changed gets its full
+    bytes in that update. Off, a change outside p2psync stays until the digest check
+    (`check=True`) catches it, an update late, or a full update overwrites it."""
 
     full_every: int = 0
     memory_bytes: int | None = None
+    prove_baselines: bool = True
 
     def __post_init__(self) -> None:
         if self.full_every < 0:

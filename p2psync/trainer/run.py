@@ -32,6 +32,7 @@ from .buffers import Lease
 from .calls import UpdateCalls
 from .compiler import UnitWrites
 from .connection import Connection
+from .delta_send import Held
 from .failures import RankFailures
 from .gather_ahead import GatherAhead
 from .gatherfree import Packing
@@ -103,10 +104,10 @@ class UpdateRun:
         start = time.monotonic()
         failures = self.failures
         leader = self.settings.rank == 0
-        failures.run("the update's start", lambda: self.mode.begin(full, self.clock))
-        paused = failures.run("the pause calls", self.calls.pause_all) if leader else None
-        self.failed = collectives.broadcast(paused) or {}
+        paused = failures.run("the pause calls", self._pause) if leader else None
+        self.failed, held = collectives.broadcast(paused) or ({}, {})
         self.clock.lap("pause")
+        failures.run("the update's start", lambda: self.mode.begin(full, self.version, self.clock, held))
         for engine, writer in self.conn.writers.items():
             writer.start_update()
             if engine in self.failed:
@@ -140,6 +141,15 @@ class UpdateRun:
             for note in report.degraded:
                 log.warning("update %s degraded: %s", self.version, note)
         return report
+
+    def _pause(self) -> tuple[dict[str, str], Held]:
+        """Pause every engine; in delta mode, ask the paused ones what they hold (a rank that
+        holds another version than the baseline's, or changed since, gets its full bytes)."""
+        failed = self.calls.pause_all()
+        if not self.mode.proves_baselines:
+            return failed, {}
+        ranks = {engine: len(tables) for engine, tables in self.conn.tables.items()}
+        return failed, self.calls.held(ranks, skip=failed)
 
     def _check(self, sent: Sequence[tuple[UnitWrites, dict[str, Produced]]]) -> None:
         self._progressed()
@@ -325,6 +335,8 @@ class UpdateRun:
         for engine, report in engines.items():
             if not report.ok:
                 log.warning("engine %s is stale: %s", engine, report.error)
+                if engine not in self.failed:  # paused for this update: out of serving now, told why
+                    self.calls.fail(engine, report.error or "")
                 continue
             error = self.calls.finish(engine)
             if error is None:

@@ -77,7 +77,8 @@ def engine_process(
 ) -> None:
     """A torch engine serving `small_model` (in `dtype`) until `stop` is set. Besides the
     endpoint's routes: `state` returns every parameter's bytes (hex), read by tests as
-    the engine holds them; `poke` flips the bits of one byte of parameter `name`."""
+    the engine holds them; `poke` flips the bits of one byte of parameter `name` (a stray
+    write); `reload` loads another seed's weights by the module's `load_state_dict`."""
     from p2psync.adapters.torch import serve
     from p2psync.engine.endpoint import EngineHooks
     from p2psync.core.logs import configure
@@ -94,7 +95,12 @@ def engine_process(
     def poke(body: dict[str, Any]) -> None:
         raw(body["name"])[int(body.get("byte", 0))] ^= 0xFF
 
-    routes = {"state": lambda body: {n: raw(n).numpy().tobytes().hex() for n in params}, "poke": poke}
+    def reload(body: dict[str, Any]) -> None:
+        model.load_state_dict(small_model(seed + 7, width).to(getattr(torch, dtype)).state_dict())
+
+    routes = {
+        "state": lambda body: {n: raw(n).numpy().tobytes().hex() for n in params}, "poke": poke, "reload": reload,
+    }
     endpoint = serve(
         model, engine_id=engine_id, rendezvous=rendezvous, transport=transport, hooks=EngineHooks(routes=routes)
     )

@@ -125,7 +125,8 @@ def test_full_every_full_true_and_a_failed_check_send_full_updates():
         start(group, "a", "bfloat16")
         model = small_model(0)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        with session_for(group, model, delta={"full_every": 3}, check=True) as session:
+        # unproven baselines: the digest check is what catches the change (the proof: the next test)
+        with session_for(group, model, delta={"full_every": 3, "prove_baselines": False}, check=True) as session:
             session.connect(["a"])
             modes = []
             for step in range(8):
@@ -138,11 +139,50 @@ def test_full_every_full_true_and_a_failed_check_send_full_updates():
                 modes.append("delta" if report.engines["a"].delta_ranks else "full")
                 if step == 4:
                     assert report.stale == ["a"] and "digest mismatch" in report.engines["a"].error
+                    # told at once, not when its lease runs out: stale, naming the parameter, out of serving
+                    info = wait_for(lambda: (i := post(session.tables["a"][0].control_url, "info",
+                                                       token=session.token, timeout=10))["stale"] and i, 5, "stale")
+                    assert info["stale"].startswith(f"update 'v4' failed (was serving 'v3'): engine 'a' rank 0 "
+                                                    f"parameter {name!r}: digest mismatch after write"), info
+                    assert info["serving"] is False
                 else:
                     assert report.ok, report.format()
                     assert_bit_exact(session, model, {"a": "bfloat16"}, step)
             # 0, 3, 6: full_every=3 and full=True; 5: after the failed check
             assert modes == ["full", "delta", "delta", "full", "delta", "full", "full", "delta"]
+
+
+@pytest.mark.parametrize("change", ["poke", "reload"])
+def test_an_engine_changed_outside_p2psync_gets_its_full_bytes_in_the_same_update(change):
+    """After a full update and a delta, the engine's weights change behind the trainer's
+    back, with check=False: a stray write (one byte of one parameter, which only the
+    engine's fingerprints see) or a load_state_dict of the engine's module (which its
+    endpoint sees). The next update proves the baseline first, sends that engine its full
+    bytes, says so naming the parameter, and the engine holds exactly what a full update
+    writes (the oracle: torch's own casts of the trainer's tensors); deltas resume after."""
+    with engines() as group:
+        start(group, "a", "bfloat16")
+        model = small_model(0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        name = next(iter(dict(model.named_parameters())))
+        with session_for(group, model, check=False) as session:
+            session.connect(["a"])
+            for step in range(4):
+                train_step(model, optimizer, step)
+                if step == 2:
+                    post(session.tables["a"][0].control_url, change, {"name": name}, token=session.token, timeout=10)
+                report = session.update(f"v{step}")
+                assert report.ok, report.format()
+                assert_bit_exact(session, model, {"a": "bfloat16"}, step)
+                assert report.engines["a"].delta_ranks == ([] if step in (0, 2) else [0]), (step, report.format())
+                if step == 2:
+                    why = {"poke": f"1 parameter(s) changed since update 'v1' other than by p2psync: {name}",
+                           "reload": "its weights were written outside p2psync (load_state_dict) after update 'v1'"}
+                    assert report.degraded == [
+                        f"delta: engine 'a' rank 0 was sent its full bytes, not a delta: {why[change]}"
+                    ], report.degraded
+                else:
+                    assert report.degraded == [], report.degraded
 
 
 def test_a_baseline_budget_too_small_sends_full_updates():

@@ -34,7 +34,8 @@ def serve(
     declares the one it holds now, else it waits for its first update. `options`: see
     `EndpointOptions` (control calls must carry `token`, default the rendezvous's).
 
-    Parameters are published under their HF names: `name_map` turns a module
+    A `load_state_dict` of `module` tells the endpoint that its weights were written outside
+    p2psync (the next delta update sends them in full). Parameters are published under their HF names: `name_map` turns a module
     parameter name into one (a mapping or a function; identity by default). The
     layout key is a digest of every name, shape and dtype, so engines built from
     the same model class and config share one layout.
@@ -44,7 +45,7 @@ def serve(
     fingerprint = hashlib.sha256(
         repr(sorted((n, tuple(t.shape), str(t.dtype)) for n, t in params.items())).encode()
     ).hexdigest()[:16]
-    return EngineEndpoint.serve(
+    endpoint = EngineEndpoint.serve(
         engine="torch",
         engine_id=engine_id,
         rank=rank,
@@ -55,3 +56,6 @@ def serve(
         rendezvous=rendezvous,
         **options,
     )
+    # a load_state_dict of the served module writes its weights outside p2psync
+    module.register_load_state_dict_post_hook(lambda *_: endpoint.weights_written("load_state_dict"))
+    return endpoint
