@@ -207,16 +207,33 @@ def _cluster_row(name: str, r: dict[str, Any]) -> list[str]:
     default = ways["gather-free"]
     ratio = r["ratios"][f"{best}/gather-free"]
     link = statistics.mean(m["raw_link"]["gbps"] for m in (r["limits"], r["limits_after"]))
-    prediction = r.get("prediction") or {}
-    errors = ", ".join(f"{w} {p['error']:+.0%}" for w, p in prediction.get("ways", {}).items())
     return [
         name, f"({c['name']}) {r['setup']['trainers']} -> {c['engines']} x TP{c['tp']}",
         f"{c['link_gbit']:g} ({link * 8:.2f})", _load(r), _way(r, "gather-free"), f"{default['over_bound']:.2f}x",
         _way(r, "p2p"), f"{ways['p2p']['over_bound']:.2f}x", _way(r, "broadcast-chain"), _way(r, "broadcast"),
         _way(r, "broadcast-fp32"), best, f"{ratio['of_medians']:.2f}x ({min(ratio['per_round']):.2f}-"
-        f"{max(ratio['per_round']):.2f})", f"{ratio['of_bounds']:.2f}x", errors or "-",
+        f"{max(ratio['per_round']):.2f})", f"{ratio['of_bounds']:.2f}x",
         "yes" if all(w["verified"] for w in ways.values()) else "NO",
     ]
+
+
+def _prediction(r: dict[str, Any]) -> dict[str, Any]:
+    """The current planner's prediction of a kept run, from the rates the run measured."""
+    sys.path.insert(0, str(HERE.parent))  # the p2psync next to this script
+    from p2psync.bench.cluster_predict import predict_run
+
+    return predict_run(r["setup"], r["ways"], [r["limits"], r["limits_after"]], r["machine"]["cores"])
+
+
+def _prediction_row(name: str, r: dict[str, Any], ways: list[str]) -> list[str]:
+    predicted = _prediction(r).get("ways", {})
+
+    def cell(way: str) -> str:
+        p = predicted.get(way)
+        return f"{p['predicted_s']:.2f} / {p['measured_s']:.2f} ({p['error']:+.0%})" if p else "-"
+
+    c = r["setup"]["cluster"]
+    return [name, f"({c['name']}) {c['link_gbit']:g}", *[cell(w) for w in ways]]
 
 
 def render_cluster(runs: list[tuple[str, dict[str, Any]]]) -> str:
@@ -225,11 +242,18 @@ def render_cluster(runs: list[tuple[str, dict[str, Any]]]) -> str:
                           "benchmarks/results/cluster` writes them.", "", CLUSTER_END])
     header = ["run", "topology", "link Gbit/s (measured)", "load before / after", "gather-free (default) s",
               "x bound", "gathering s", "x bound", "broadcast-chain s", "broadcast (gloo) s", "broadcast-fp32 s",
-              "best broadcast", "best broadcast / default", "ideal (of the bounds)", "planner's error", "all verified"]
+              "best broadcast", "best broadcast / default", "ideal (of the bounds)", "all verified"]
     order = sorted(runs, key=lambda run: (run[1]["setup"]["cluster"]["name"], run[1]["setup"]["cluster"]["link_gbit"]))
+    ways = ["gather-free", "p2p", "broadcast-chain", "broadcast", "broadcast-fp32"]
+    errors = [abs(p["error"]) for _, r in order for p in _prediction(r).get("ways", {}).values()]
+    within = sum(e <= 0.20 for e in errors)
     return "\n".join([
         CLUSTER_BEGIN, "", f"{len(runs)} saved run(s) in benchmarks/results/cluster/.", "",
-        *_table(header, [_cluster_row(name, r) for name, r in order]), "", CLUSTER_END,
+        *_table(header, [_cluster_row(name, r) for name, r in order]), "",
+        f"**The planner's prediction** (`p2psync.bench.cluster_predict`, recomputed from each run's measured rates; "
+        f"predicted / measured seconds, error): {within} of {len(errors)} within 20%.", "",
+        *_table(["run", "topology, Gbit/s", *ways], [_prediction_row(name, r, ways) for name, r in order]), "",
+        CLUSTER_END,
     ])
 
 

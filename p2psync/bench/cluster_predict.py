@@ -2,23 +2,31 @@
 
 The planner (`p2psync.planner`) is given the run's topology as a `Cluster` (every rank its
 own NIC), the engines' analytic per-rank shapes of the bench's model, and the rates the run
-measured: the link (one TCP connection between nodes), each way's gathers alone, memcpy for
-production, and each way's pause and finish calls. It predicts the wire of every way from
-its real plan (`planner.predict`: p2psync's plan, the gather-free floor, the chain as NCCL's
-ring, gloo's broadcast as its binomial tree), and the whole update as the bench runs it:
+measured: the link (one TCP connection between nodes), each way's gathers alone, memcpy,
+each way's production (its produce phase: casts and strided copies, not a memcpy), the
+loopback socket rates of Mooncake and gloo, and each way's pause and finish calls. It
+predicts the wire of every way from its real plan (`planner.predict`: p2psync's plan, the
+gather-free floor, the chain as NCCL's ring, gloo's broadcast as its binomial tree), and the
+whole update as the bench runs it, the larger of two accounts:
 
-- p2psync, gathering: pause + max(gathers, production, wire) + finish (pipelined by bucket);
-- gather-free: pause + max(production spread over every trainer rank, wire floor) + finish;
-- the broadcasts: pause + max(gathers, wire) + production + finish (the next bucket's gathers
-  run while this one is broadcast; trainer rank 0 packs every bucket).
+- the pipeline: each way's stages (p2p, gathering, and the broadcasts: gathers, production,
+  wire; gather-free: production, wire) over its chunks (buckets of `bucket_bytes`; a
+  gather-free rank's bytes in transfer buffers of that size), a chunk entering a stage once
+  it left the one before and the stage is free: the largest stage plus the others' first
+  and last chunks;
+- the box's cores: every emulated node shares this machine's cores, so the CPU-seconds of a
+  way (gathers alone on min(trainer ranks, cores) cores, every socket byte at the loopback
+  rate of its transport on both of its ends, production) over the cores bound it too. On a
+  cluster each rank has cores of its own and this term vanishes;
 
-Only `nic="rank"` topologies are modelled (the planner packs engines onto nodes of one size).
+plus pause and finish. Only `nic="rank"` topologies are modelled (the planner packs
+engines onto nodes of one size).
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 #: The planner's broadcast model of each broadcast way.
@@ -26,13 +34,37 @@ BROADCAST_MODELS = {"broadcast": "tree", "broadcast-chain": "ring", "broadcast-f
 #: Over this relative error the model, not the tolerance, is to be fixed.
 TOLERANCE = 0.20
 MODEL = (
-    "p2p: pause + max(gathers alone, production at memcpy, wire of its plan) + finish; gather-free: pause + "
-    "max(production over all trainer ranks, wire floor) + finish; broadcasts: pause + max(gathers alone, wire: "
-    "chain = ring, gloo = binomial tree) + production + finish; link = one TCP connection's measured rate"
+    "pause + max(pipeline, box cores) + finish; pipeline: stages over chunks of bucket_bytes (p2p and broadcasts: "
+    "gathers alone, production, wire; gather-free: production, wire floor; wire of the way's plan: p2p's, chain = "
+    "ring, gloo = binomial tree); box cores = CPU-seconds (gathers on min(ranks, cores) cores, socket bytes at "
+    "loopback rate on both ends, production) / cores; link = one TCP connection's measured rate"
 )
 
 
-def predict_run(setup: Mapping[str, Any], ways: Mapping[str, Any], limits: list[Mapping[str, Any]]) -> dict[str, Any]:
+def pipeline_seconds(stages: Sequence[float], chunks: Sequence[float]) -> float:
+    """Seconds for chunks (fractions of the bytes, summing to 1) to pass stages that take
+    `stages` seconds for all the bytes: a chunk enters a stage once it left the previous
+    stage and the stage finished the chunk before (a flow shop)."""
+    done = [0.0] * len(stages)
+    for chunk in chunks:
+        ready = 0.0
+        for s, seconds in enumerate(stages):
+            done[s] = max(done[s], ready) + seconds * chunk
+            ready = done[s]
+    return done[-1] if stages else 0.0
+
+
+def chunks_of(nbytes: int, chunk_bytes: int) -> list[float]:
+    """`nbytes` cut into pieces of `chunk_bytes` (the last one shorter), as fractions."""
+    if nbytes <= 0:
+        return [1.0]
+    pieces = [min(chunk_bytes, nbytes - offset) for offset in range(0, nbytes, chunk_bytes)]
+    return [piece / nbytes for piece in pieces]
+
+
+def predict_run(
+    setup: Mapping[str, Any], ways: Mapping[str, Any], limits: list[Mapping[str, Any]], cores: int
+) -> dict[str, Any]:
     """Each way's predicted seconds, its parts, and the error against its measured median."""
     from ..planner.cluster import Cluster
     from ..planner.predict import predict
@@ -42,8 +74,11 @@ def predict_run(setup: Mapping[str, Any], ways: Mapping[str, Any], limits: list[
     topology = setup["cluster"]
     if topology["nic"] != "rank" or setup["engine"]["kind"] == "torch":
         return {"skipped": "the planner models sglang and vLLM engines with one NIC per rank"}
-    link = statistics.mean(m["raw_link"]["gbps"] for m in limits)
-    memcpy = statistics.mean(m["memcpy"]["gbps"] for m in limits) * 1e9
+
+    def rate(key: str) -> float:
+        return statistics.mean(m[key]["gbps"] for m in limits) * 1e9
+
+    link = rate("raw_link") / 1e9
     node = max([*topology["trainer_nodes"], topology["tp"]])
     cluster = Cluster(
         train_ranks=setup["trainers"], engines=topology["engines"], engine_tp=topology["tp"], gpus_per_node=node,
@@ -52,27 +87,38 @@ def predict_run(setup: Mapping[str, Any], ways: Mapping[str, Any], limits: list[
     shapes = analytic_shapes(hf_config(setup["model"]["size"]), topology["tp"], 1, "bf16", "the bench's model")
     p2p = predict(cluster, shapes, "ring")
     wires = {name: predict(cluster, shapes, model).broadcast_s for name, model in BROADCAST_MODELS.items()}
+    engine_ranks = topology["engines"] * topology["tp"]
+    model_bytes = max(p2p.stage_full_bytes)
+    buckets = chunks_of(model_bytes, setup["bucket_bytes"])
+    buffers = chunks_of(max(p2p.sender_bytes.values()), setup["bucket_bytes"])
+    # CPU-seconds of one socket byte, both ends: the loopback rates were measured with one
+    # sending and one receiving thread, on min(2, cores) cores
+    socket_cost = {"mooncake": min(2, cores) / rate("raw_transport"), "gloo": min(2, cores) / rate("raw_gloo")}
+    gather_cores = min(setup["trainers"], cores)
     out: dict[str, Any] = {
-        "link_gbps": link, "produce_gbps": memcpy / 1e9, "latency_us": cluster.latency_us,
-        "model": MODEL, "ways": {},
+        "link_gbps": link, "latency_us": cluster.latency_us, "cores": cores, "model": MODEL, "ways": {},
     }
     for name, way in ways.items():
         phases = way["phases"]["trainer-0"]
         control = phases.get("pause", 0.0) + phases.get("finish", 0.0)
-        gathers = way["gathers_alone_seconds"]
+        gathers, production = way["gathers_alone_seconds"], phases.get("produce", 0.0)
         if name == "p2p":
-            parts = {"gathers_s": gathers, "production_s": max(p2p.sender_bytes.values()) / memcpy, "wire_s": p2p.p2p_s}
-            total = max(parts.values())
+            parts = {"gathers_s": gathers, "production_s": production, "wire_s": p2p.p2p_s}
+            pipeline = pipeline_seconds(list(parts.values()), buckets)
+            socket_bytes = sum(p2p.sender_bytes.values()) * socket_cost["mooncake"]
         elif name == "gather-free":
-            parts = {"production_s": sum(p2p.sender_bytes.values()) / cluster.train_ranks / memcpy,
-                     "wire_s": p2p.floor_s}
-            total = max(parts.values())
+            parts = {"production_s": production, "wire_s": p2p.floor_s}
+            pipeline = pipeline_seconds(list(parts.values()), buffers)
+            socket_bytes = sum(p2p.sender_bytes.values()) * socket_cost["mooncake"]
         elif name in wires:
-            parts = {"gathers_s": gathers, "wire_s": wires[name], "production_s": max(p2p.stage_full_bytes) / memcpy}
-            total = max(parts["gathers_s"], parts["wire_s"]) + parts["production_s"]
+            parts = {"gathers_s": gathers, "production_s": production, "wire_s": wires[name]}
+            pipeline = pipeline_seconds(list(parts.values()), buckets)
+            socket_bytes = model_bytes * engine_ranks * socket_cost["gloo"]  # every engine rank receives it once
         else:
             continue
-        predicted = control + total
+        parts["pipeline_s"] = pipeline
+        parts["cores_s"] = (gathers * gather_cores + socket_bytes + production) / cores
+        predicted = control + max(pipeline, parts["cores_s"])
         error = predicted / way["seconds"] - 1
         out["ways"][name] = {**parts, "control_s": control, "predicted_s": predicted, "measured_s": way["seconds"],
                              "error": error, "within_tolerance": abs(error) <= TOLERANCE}

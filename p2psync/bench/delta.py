@@ -31,21 +31,23 @@ if TYPE_CHECKING:
     from ..worlds.models import Trainer
     from ..trainer.session import Session
 
-WAYS = ("p2p-delta", "p2p", "broadcast")
+WAYS = ("p2p-delta", "p2p-delta-unproven", "p2p", "broadcast")
 #: The engines' dtype in delta runs unless given: float32 engines see nearly every element change.
 DELTA_ENGINE_DTYPE = "bfloat16"
 
 
-def _sessions(opts: BenchOptions, source: Any, rendezvous: Any) -> tuple[Session, Session]:
-    """The delta session (sending as `opts.session.gather` says) and the full one, which
-    gathers: the broadcast gathers its buckets."""
+def _sessions(opts: BenchOptions, source: Any, rendezvous: Any) -> tuple[Session, Session, Session]:
+    """The delta session (sending as `opts.session.gather` says), the same with its engines'
+    baselines taken on trust (`prove_baselines=False`: what the proof costs), and the full
+    one, which gathers: the broadcast gathers its buckets."""
     from ..trainer.options import SessionOptions
     from ..trainer.session import Session
 
-    def make(delta: bool, options: SessionOptions) -> Session:
+    def make(delta: object, options: SessionOptions) -> Session:
         return Session(source=source, transport=opts.transport, rendezvous=rendezvous, options=options, delta=delta)
 
-    return make(True, opts.session), make(False, SessionOptions.of(opts.session, gather="always"))
+    return (make(True, opts.session), make({"prove_baselines": False}, opts.session),
+            make(False, SessionOptions.of(opts.session, gather="always")))
 
 
 def _measure(way: Way, progress: Callable[[], object]) -> dict[str, Any]:
@@ -78,9 +80,9 @@ def delta_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
     ids = engines.engine_ids(opts)
     for engine in ids:
         rendezvous.read_engine(engine, timeout=GROUP_TIMEOUT)
-    delta, full = _sessions(opts, source, rendezvous)
-    delta.connect(ids)
-    full.connect(ids)
+    delta, unproven, full = _sessions(opts, source, rendezvous)
+    for session in (delta, unproven, full):
+        session.connect(ids)
     buckets = full.stats().buckets  # the broadcast gathers the same buckets
     specs = {s.name: s for s in source.param_specs()}
     leader, controls = None, []
@@ -90,6 +92,7 @@ def delta_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
     ways: list[Way] = [
         P2PWay(delta, "p2p-delta", "p2psync, delta mode"),
         P2PWay(full, "p2p", "p2psync, full update"),
+        P2PWay(unproven, "p2p-delta-unproven", "p2psync, delta mode, the engines' baselines not proven"),
         BroadcastWay("broadcast", "broadcast, gathers cast to the engines' dtype", source, buckets, leader,
                      opts.engine_dtype, controls, full.update_lease),
     ]
@@ -116,8 +119,8 @@ def delta_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
         leader.stop(GROUP_TIMEOUT)
     for control in controls:
         control.close()
-    delta.close()
-    full.close()
+    for session in (delta, unproven, full):
+        session.close()
     import torch.distributed as dist
 
     dist.barrier()
@@ -165,10 +168,12 @@ def summarize(raw: Mapping[str, Any], opts: BenchOptions, load: tuple[list[float
             "seconds": seconds,
             "seconds_all": {name: [r["seconds"] for r in rs] for name, rs in rounds.items()},
             "full_over_delta_seconds": seconds["p2p"] / seconds["p2p-delta"],
+            "proof_fraction": seconds["p2p-delta"] / seconds["p2p-delta-unproven"] - 1,
             "broadcast_over_delta_seconds": seconds["broadcast"] / seconds["p2p-delta"],
             "peak_added_bytes": {name: max(r["added_bytes"] for r in rs) for name, rs in rounds.items()},
             "trainer0_phases": {
-                name: _median_phases([r["phases"] for r in rounds[name]]) for name in ("p2p-delta", "p2p")
+                name: _median_phases([r["phases"] for r in rounds[name]])
+                for name in ("p2p-delta", "p2p-delta-unproven", "p2p")
             },
         }
     return {
@@ -229,6 +234,8 @@ def format_delta(result: Mapping[str, Any]) -> str:
             f"    s/update: p2p-delta {secs['p2p-delta']:.3f}, p2p full {secs['p2p']:.3f}, broadcast "
             f"{secs['broadcast']:.3f}; full / delta {r['full_over_delta_seconds']:.2f}x, broadcast / delta "
             f"{r['broadcast_over_delta_seconds']:.2f}x",
+            f"    proving the engines' baselines: p2p-delta {secs['p2p-delta']:.3f} s against "
+            f"{secs['p2p-delta-unproven']:.3f} s unproven ({r['proof_fraction']:+.1%} of the update)",
             *(
                 f"    {name} on trainer-0, s: " + ", ".join(f"{p} {t:.3f}" for p, t in phases.items() if t >= 0.0005)
                 for name, phases in r["trainer0_phases"].items()

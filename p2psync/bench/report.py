@@ -4,6 +4,7 @@ table of a whole run."""
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -106,7 +107,7 @@ def summary(raw: Mapping[str, Any], limits: Mapping[str, Any], limits_after: Map
     if raw["setup"].get("cluster"):
         from .cluster_predict import predict_run
 
-        prediction = predict_run(raw["setup"], ways, [limits, limits_after])
+        prediction = predict_run(raw["setup"], ways, [limits, limits_after], os.cpu_count() or 1)
     return {
         "setup": raw["setup"],
         "ways": ways,

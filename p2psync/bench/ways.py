@@ -42,6 +42,13 @@ if TYPE_CHECKING:
 Progress = Callable[[], object]
 
 
+
+def version_label(n: int) -> str:
+    """The label of every way's `n`-th update: the ways of a round write the same weights, so
+    they name them alike (an engine's label says which weights it holds, whichever way wrote
+    them: what a delta session checks before it patches)."""
+    return f"update-{n}"
+
 class Way(ABC):
     """One way of syncing, on one trainer rank."""
 
@@ -99,7 +106,7 @@ class P2PWay(Way):
         _barrier()
         checking, self.session.check = self.session.check, check or self.session.check
         try:
-            report = self.session.update(f"{self.name}-{len(self.reports)}", progress=step)
+            report = self.session.update(version_label(len(self.reports) + 1), progress=step)
         finally:
             self.session.check = checking
         if not report.ok:
@@ -158,7 +165,7 @@ class BroadcastWay(Way):
         self._clock = PhaseClock()
         if self.leader is not None:
             self._updates += 1
-            version = f"{self.name}-{self._updates}"
+            version = version_label(self._updates)
             for control in self.controls:
                 control.pause(version, self.lease)
             self._clock.lap("pause")

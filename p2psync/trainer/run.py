@@ -148,8 +148,11 @@ class UpdateRun:
         failed = self.calls.pause_all()
         if not self.mode.proves_baselines:
             return failed, {}
+        self.clock.lap("pause")
         ranks = {engine: len(tables) for engine, tables in self.conn.tables.items()}
-        return failed, self.calls.held(ranks, skip=failed)
+        held = self.calls.held(ranks, skip=failed)
+        self.clock.lap("prove")
+        return failed, held
 
     def _check(self, sent: Sequence[tuple[UnitWrites, dict[str, Produced]]]) -> None:
         self._progressed()

@@ -6,6 +6,9 @@ machine lacks root or iproute2."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from p2psync.bench.cluster import Topology
@@ -83,3 +86,50 @@ def test_bench_in_a_box_measures_what_each_nic_carried(tmp_path):
         link = result[when]["raw_link"]
         assert 0.8 * link["configured_gbps"] <= link["gbps"] <= 1.05 * link["configured_gbps"], link
 
+
+
+def test_a_pipeline_takes_its_largest_stage_plus_the_others_first_and_last_chunks():
+    from p2psync.bench.cluster_predict import chunks_of, pipeline_seconds
+
+    assert chunks_of(100, 40) == [0.4, 0.4, 0.2]
+    assert chunks_of(0, 40) == [1.0]
+    assert pipeline_seconds([3.0], [0.5, 0.5]) == 3.0
+    # production 1 s, wire 4 s, two equal chunks: the first chunk's production, then the wire
+    assert pipeline_seconds([1.0, 4.0], [0.5, 0.5]) == pytest.approx(0.5 + 4.0)
+    # the wire waiting for production: the last chunk's wire comes after all production
+    assert pipeline_seconds([4.0, 1.0], [0.5, 0.5]) == pytest.approx(4.0 + 0.5)
+    # three stages, four chunks: the middle one bounds; the first stage's first chunk and the last one's last add
+    assert pipeline_seconds([1.0, 2.0, 1.0], [0.25] * 4) == pytest.approx(0.25 + 2.0 + 0.25)
+
+
+KEPT = sorted((Path(__file__).parents[2] / "benchmarks" / "results" / "cluster").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", KEPT, ids=[p.stem for p in KEPT])
+def test_the_planner_predicts_the_bytes_on_every_kept_runs_busiest_nic(path):
+    """The planner's real plan of each kept sglang run (topologies a and b: the trainer ranks on
+    one node, so nothing but the update crosses a link) puts on its busiest NIC what the tc
+    counters measured there, within 2% (headers and control messages): p2psync's plan, and the
+    broadcasts' binomial tree (gloo) and ring (the chain)."""
+    from p2psync.planner.cluster import Cluster
+    from p2psync.planner.predict import predict
+    from p2psync.planner.shapes import analytic_shapes
+    from p2psync.bench.model import hf_config
+
+    result = json.loads(path.read_text())
+    setup, topology = result["setup"], result["setup"]["cluster"]
+    if topology["name"] not in ("a", "b"):
+        pytest.skip(f"topology {topology['name']}: its trainer ranks' gathers cross the link too")
+    node = max([*topology["trainer_nodes"], topology["tp"]])
+    cluster = Cluster(train_ranks=setup["trainers"], engines=topology["engines"], engine_tp=topology["tp"],
+                      gpus_per_node=node, nics_per_node=node, nic_gbps=1.0, latency_us=0.0)
+    shapes = analytic_shapes(hf_config(setup["model"]["size"]), topology["tp"], 1, "bf16", "the bench's model")
+    ways = result["ways"]
+    sends = {model: predict(cluster, shapes, model) for model in ("ring", "tree")}
+    for way, predicted in [
+        ("p2p", max(sends["ring"].nic_send.values())), ("gather-free", max(sends["ring"].nic_send.values())),
+        ("broadcast", max(sends["tree"].bcast_nic_send.values())),
+        ("broadcast-chain", max(sends["ring"].bcast_nic_send.values())),
+    ]:
+        measured = max(ways[way]["nic_bytes"].values())  # what the NICs sent, by tc's counters
+        assert predicted <= measured <= predicted * 1.02, (way, predicted, measured)
