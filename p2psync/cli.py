@@ -89,9 +89,6 @@ def _bench(args: argparse.Namespace) -> int:
         engines=topology.engines if topology else args.engines or 2,
         engine_tp=topology.tp if topology else 2 if args.engine_tp is None else args.engine_tp, cluster=topology,
     )
-    if topology is not None and args.delta:
-        print("p2psync bench: --delta does not run in a --cluster yet", file=sys.stderr)
-        return 2
     if args.delta and args.trainer not in (None, "fsdp2"):
         print("p2psync bench: --delta runs FSDP2 trainer ranks", file=sys.stderr)
         return 2

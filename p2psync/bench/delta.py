@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..trainer import collectives
 from ..core.types import numel
-from . import broadcast, engines, results, rss, verify
-from .runner import GROUP_TIMEOUT, BenchOptions, _controls, bench_engine
+from . import broadcast, cluster, engines, results, rss, verify
+from .runner import GROUP_TIMEOUT, BenchOptions, _check_cluster, _controls, _limits, bench_engine
 from .ways import BroadcastWay, P2PWay, Way
 
 if TYPE_CHECKING:
@@ -74,6 +74,7 @@ def delta_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
     from ..worlds import start_fsdp2
     from ..worlds.models import Trainer
 
+    cluster.join(opts.cluster, "trainer", rank)
     rss.return_freed_memory()
     rendezvous, model = start_fsdp2(rank, engines.torch_world(opts), port)
     source = FSDP2Source(model)
@@ -207,16 +208,30 @@ def run_delta_bench(opts: BenchOptions) -> dict[str, Any]:
         raise ValueError("--delta needs a warm-up update (the first one is full: it seeds the baselines)")
     if opts.engine_dtype is None:
         opts.engine_dtype = DELTA_ENGINE_DTYPE
+    link: dict[str, Any] = {}
+    if opts.cluster is not None:  # the link's own rate, measured before and after
+        _check_cluster(opts, opts.cluster)
+        cluster.enter(opts.cluster)  # first: before any thread of this process starts
+        link["before"] = _limits(opts)["raw_link"]
     started, before = time.time(), list(os.getloadavg())
     raw = launch(opts, bench_engine, delta_trainer, engine_processes=opts.engines)
-    return {"started": started, "machine": results.machine(), **summarize(raw, opts, (before, list(os.getloadavg())))}
+    result = {"started": started, "machine": results.machine(), **summarize(raw, opts, (before, list(os.getloadavg())))}
+    if opts.cluster is not None:
+        link["after"] = _limits(opts)["raw_link"]
+        result["setup"]["cluster"] = {**opts.cluster.describe(), "raw_link": link}
+    return result
 
 
 def format_delta(result: Mapping[str, Any]) -> str:
     """The delta run as text."""
     s = result["setup"]
     load = result["load_average"]
+    box = s.get("cluster")
     lines = [
+        *([f"in a cluster in a box, topology {box['name']}: {box['trainer_nodes']} trainer ranks per node -> "
+           f"{box['engines']} engines, each on its node; link {box['link_gbit']:g} Gbit/s per NIC (measured "
+           f"{box['raw_link']['before']['gbps'] * 8:.2f} before, {box['raw_link']['after']['gbps'] * 8:.2f} after)"]
+          if box else []),
         f"delta updates: model {s['model']['size']} ({s['model']['parameters']:,} parameters), {s['trainers']} FSDP2 "
         f"trainer ranks taking AdamW steps -> {s['engines']} torch engines ({s['engine']['dtype']}) over "
         f"{s['transport']} (the delta session's gather={s.get('gather', 'always')!r}); median "

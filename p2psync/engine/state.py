@@ -81,7 +81,7 @@ class EngineState:
         """The trainer gave up on the update to `version` (`reason`: a failed check, failed
         writes): stale at once, not serving until a later update finishes; the stale mark."""
         self.check_update(version, "fail")
-        self.stale = f"update {version!r} failed (was serving {self.version!r}): {reason}"
+        self.stale = f"update {version!r} given up by the trainer (was serving {self.version!r}): {reason}"
         self.lease_until = None
         return self.stale
 

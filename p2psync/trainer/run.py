@@ -142,6 +142,15 @@ class UpdateRun:
                 log.warning("update %s degraded: %s", self.version, note)
         return report
 
+    def give_up(self, reason: str) -> None:
+        """The update failed on the trainer side: world rank 0 tells every engine it paused
+        at once (each stays out of serving, naming `reason`), instead of its lease running out."""
+        if self.settings.rank != 0:
+            return
+        for engine in self.conn.controls:
+            if engine not in self.failed:
+                self.calls.fail(engine, reason)
+
     def _pause(self) -> tuple[dict[str, str], Held]:
         """Pause every engine; in delta mode, ask the paused ones what they hold (a rank that
         holds another version than the baseline's, or changed since, gets its full bytes)."""

@@ -211,6 +211,7 @@ class Session:
                 error = self._failure(version, exc)
         for writer in conn.writers.values():
             writer.abandon(str(error))
+        self._last.give_up(str(error))
         self._broken = f"this session is unusable after update {version!r} failed; close it and connect a new one"
         raise error
 

@@ -142,7 +142,7 @@ def test_full_every_full_true_and_a_failed_check_send_full_updates():
                     # told at once, not when its lease runs out: stale, naming the parameter, out of serving
                     info = wait_for(lambda: (i := post(session.tables["a"][0].control_url, "info",
                                                        token=session.token, timeout=10))["stale"] and i, 5, "stale")
-                    assert info["stale"].startswith(f"update 'v4' failed (was serving 'v3'): engine 'a' rank 0 "
+                    assert info["stale"].startswith(f"update 'v4' given up by the trainer (was serving 'v3'): engine 'a' rank 0 "
                                                     f"parameter {name!r}: digest mismatch after write"), info
                     assert info["serving"] is False
                 else:

@@ -268,7 +268,8 @@ def test_a_trainer_failing_mid_update_raises_a_p2psync_error_and_the_engine_goes
             with pytest.raises(UpdateError, match="this session is unusable after update 'v2' failed; close it"):
                 session.update("v3")
         reason = wait_for(lambda: status(group.rendezvous, "a")["stale"], 10, "the stale mark")
-        assert reason.startswith("update abandoned at version 'v2' (was serving 'v1')")
+        assert reason.startswith("update 'v2' given up by the trainer (was serving 'v1'): update 'v2' failed on "
+                                 "trainer rank 0: RuntimeError in bucket 1: the trainer crashed"), reason
         with session_for(group.rendezvous) as session:  # the next trainer
             session.connect(["a"])
             assert session.update("v3").ok
@@ -359,7 +360,9 @@ def test_a_lost_trainer_rank_is_named_and_the_engine_does_not_resume_mixed_weigh
         assert error.startswith("TrainerLost: update 'v3' failed: trainer rank 1 was lost"), error
         assert seconds < 30
         reason = wait_for(lambda: status(group.rendezvous, "a")["stale"], 15, "the stale mark")
-        assert reason.startswith("update abandoned at version 'v3' (was serving 'v2')")
+        # the surviving world rank 0 tells the engine at once
+        assert reason.startswith("update 'v3' given up by the trainer (was serving 'v2'): update 'v3' failed: "
+                                 "trainer rank 1 was lost"), reason
         assert status(group.rendezvous, "a")["serving"] is False
         with session_for(group.rendezvous) as session:  # the next trainer world
             session.connect(["a"])
@@ -432,7 +435,8 @@ def test_a_rank_whose_own_code_raised_is_named_on_every_rank_at_once(gather):
         step = "bucket 0:" if gather == "always" else "gather-free unit "
         assert got[0][2][1].startswith(f"RuntimeError in {step}"), got[0][2]
         reason = wait_for(lambda: status(group.rendezvous, "a")["stale"], 15, "the stale mark")
-        assert reason.startswith("update abandoned at version 'v2' (was serving 'v1')")
+        assert reason.startswith("update 'v2' given up by the trainer (was serving 'v1'): update 'v2' failed on "
+                                 "trainer rank 1: RuntimeError in "), reason
         assert status(group.rendezvous, "a")["serving"] is False
 
 
