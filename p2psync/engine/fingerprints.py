@@ -10,9 +10,12 @@ next update's start, before anything is written; writes it sees itself (its load
 the torch engine's `load_state_dict`) are named without hashing. A rank whose bytes
 changed is sent its full bytes in that same update.
 
-The fingerprint is blake2b of each parameter's bytes, on the host (a GPU parameter is
-copied to host memory first: on GPUs a device-side checksum would be the fast way; not
-written, as no GPU runs here).
+A parameter's fingerprint is the sums of its 16 KiB blocks read as 64-bit integers
+(modulo 2^64, as CPUs and GPUs add: any one changed word still changes its block's sum),
+the last partial block's bytes summed, all hashed together in order: one pass at memory
+speed (37 GB/s here, against blake2b's 0.3 GB/s over the bytes), on the parameter's own
+device (a GPU sums its blocks itself; only the sums are copied). What it cannot see is
+changes that cancel within one block, such as words permuted inside it.
 """
 
 from __future__ import annotations
@@ -30,9 +33,32 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+#: Bytes per block.
+BLOCK_BYTES = 16 << 10
+
+
+def fingerprint(tensor: torch.Tensor) -> str:
+    """`tensor`'s block sums, hashed (see the module's docstring)."""
+    import torch
+
+    flat = tensor.detach().reshape(-1).view(torch.uint8)
+    nbytes = flat.numel()
+    body = nbytes // BLOCK_BYTES * BLOCK_BYTES
+    sums = []
+    if body:
+        blocks = flat[:body]
+        if blocks.storage_offset() % 8:  # int64 words need 8-byte alignment
+            blocks = blocks.clone()
+        sums.append(blocks.view(torch.int64).reshape(-1, BLOCK_BYTES // 8).sum(dim=1))
+    if body < nbytes:
+        sums.append(flat[body:].to(torch.int64).sum().reshape(1))
+    held = torch.cat(sums).cpu() if sums else torch.zeros(0, dtype=torch.int64)
+    return f"{digest(byte_view(held), [(0, held.numel() * 8)])}:{nbytes}"
+
+
 def fingerprints(params: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """Each parameter's fingerprint."""
-    return {name: digest(byte_view(t), [(0, t.numel() * t.element_size())]) for name, t in params.items()}
+    return {name: fingerprint(t) for name, t in params.items()}
 
 
 class HeldWeights:

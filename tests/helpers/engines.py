@@ -36,6 +36,16 @@ def small_model(seed: int, width: int = 32) -> torch.nn.Module:
 T = TypeVar("T")
 
 
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    """One real optimizer step on `small_model`: cross-entropy of random tokens' logits."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, 64, (32,), generator=generator)
+    labels = torch.randint(0, 16, (32,), generator=generator)
+    torch.nn.functional.cross_entropy(model(tokens), labels).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def wait_for(predicate: Callable[[], T], timeout: float, what: str) -> T:
     """The first truthy value of `predicate`, polled until `timeout` seconds passed."""
     deadline = time.monotonic() + timeout

@@ -33,7 +33,7 @@ import pytest
 pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is not installed")
 
 import torch  # noqa: E402
-from tests.helpers.engines import engines, small_model, wait_for  # noqa: E402
+from tests.helpers.engines import engines, small_model, train_step, wait_for  # noqa: E402
 
 from p2psync.core.control import post  # noqa: E402
 from p2psync.core.errors import ControlError  # noqa: E402
@@ -59,15 +59,6 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def as_engine_bytes(full: dict[str, torch.Tensor]) -> dict[str, str]:
     """What a full update leaves on a bf16 torch engine: torch's own cast, as hex."""
     return {n: t.to(torch.bfloat16).reshape(-1).view(torch.uint8).numpy().tobytes().hex() for n, t in full.items()}
-
-
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
-    generator = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, 64, (32,), generator=generator)
-    labels = torch.randint(0, 16, (32,), generator=generator)
-    torch.nn.functional.cross_entropy(model(tokens), labels).backward()
-    optimizer.step()
-    optimizer.zero_grad()
 
 
 def chaos_rank(rank: int, port: int, job_id: str, world: str, state: str, pipe: Any) -> None:

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is not installed")
 
 import torch  # noqa: E402
-from tests.helpers.engines import engines, small_model, wait_for  # noqa: E402
+from tests.helpers.engines import engines, small_model, train_step, wait_for  # noqa: E402
 
 from p2psync.adapters.fsdp2 import FSDP2Source  # noqa: E402
 from p2psync.core.control import post  # noqa: E402
@@ -38,16 +38,6 @@ def start(group, engine: str, dtype: str) -> None:
         lambda: group.rendezvous.read_engine(engine, timeout=START_TIMEOUT)[0].incarnation > before,
         START_TIMEOUT, f"engine {engine}'s table",
     )
-
-
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
-    """One real optimizer step: cross-entropy of random tokens' logits."""
-    generator = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, 64, (32,), generator=generator)
-    labels = torch.randint(0, 16, (32,), generator=generator)
-    torch.nn.functional.cross_entropy(model(tokens), labels).backward()
-    optimizer.step()
-    optimizer.zero_grad()
 
 
 def held(session: Session, engine: str) -> dict[str, str]:

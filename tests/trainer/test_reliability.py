@@ -279,8 +279,9 @@ def test_a_trainer_failing_mid_update_raises_a_p2psync_error_and_the_engine_goes
         }
 
 
-def trainer_rank(rank: int, port: int, job_id: str, results) -> None:
-    """Trainer rank of a 2-rank FSDP2 world: a refused connect, then an update that rank 1 dies in."""
+def fsdp2_rank(rank: int, port: int, job_id: str, world: str = "gloo") -> tuple[Rendezvous, torch.nn.Module]:
+    """Trainer rank `rank` of a 2-rank gloo world (its store keys under `world`/), holding
+    `small_model(0)` under FSDP2."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -289,10 +290,16 @@ def trainer_rank(rank: int, port: int, job_id: str, results) -> None:
     configure(f"trainer {rank}")
     torch.set_num_threads(1)
     rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id=job_id, timeout=30)
-    dist.init_process_group("gloo", store=dist.PrefixStore("gloo/", rendezvous._root), rank=rank, world_size=2)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"{world}/", rendezvous._root), rank=rank, world_size=2)
     model = small_model(0)
     for layer in model:
         fully_shard(layer)
+    return rendezvous, model
+
+
+def trainer_rank(rank: int, port: int, job_id: str, results) -> None:
+    """Trainer rank of a 2-rank FSDP2 world: a refused connect, then an update that rank 1 dies in."""
+    rendezvous, model = fsdp2_rank(rank, port, job_id)
     session = session_for(rendezvous, model, bucket_bytes=1, update_lease=4.0, gather="always")  # dies mid-gathers
     session.connect(["a"])
     assert session.update("v1").ok
@@ -372,18 +379,7 @@ def test_a_lost_trainer_rank_is_named_and_the_engine_does_not_resume_mixed_weigh
 
 def raising_rank(rank: int, port: int, job_id: str, gather: str, results) -> None:
     """Trainer rank of a 2-rank FSDP2 world whose rank 1 raises in `progress` and then lives on."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-
-    from p2psync.core.logs import configure
-
-    configure(f"trainer {rank}")
-    torch.set_num_threads(1)
-    rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id=job_id, timeout=30)
-    dist.init_process_group("gloo", store=dist.PrefixStore("gloo/", rendezvous._root), rank=rank, world_size=2)
-    model = small_model(0)
-    for layer in model:
-        fully_shard(layer)
+    rendezvous, model = fsdp2_rank(rank, port, job_id)
     session = session_for(rendezvous, model, bucket_bytes=1, update_lease=4.0, gather=gather)
     session.connect(["a"])
     assert session.update("v1").ok
@@ -589,18 +585,7 @@ def test_the_next_update_takes_over_the_weight_update_session_an_abandoned_one_l
 def ending_rank(rank: int, port: int, job_id: str, case: str, world: str) -> None:
     """Trainer rank of a 2-rank FSDP2 world that meets `case`, then ends as a user's script
     does: `close()` and a plain return (or, "no-close", interpreter exit with the session open)."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-
-    from p2psync.core.logs import configure
-
-    configure(f"trainer {rank}")
-    torch.set_num_threads(1)
-    rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id=job_id, timeout=30)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"{world}/", rendezvous._root), rank=rank, world_size=2)
-    model = small_model(0)
-    for layer in model:
-        fully_shard(layer)
+    rendezvous, model = fsdp2_rank(rank, port, job_id, world)
     session = session_for(rendezvous, model, bucket_bytes=1, update_lease=4.0)
     session.connect(["a"])
     assert session.update("v1").ok
