@@ -101,7 +101,7 @@ class UpdateCalls:
             return f"finish failed: {exc}"
         return None
 
-    def fail(self, engine: str, reason: str) -> None:
+    def fail(self, engine: str, reason: str) -> threading.Thread:
         """Tell `engine`, on a thread of its own (a stopped engine must not hold up the
         report), that this update failed on it and why; it stays out of serving."""
 
@@ -111,7 +111,9 @@ class UpdateCalls:
             except ControlError as exc:  # unreachable: its lease runs out instead
                 log.warning("telling engine %s that its update failed did not reach it: %s", engine, exc)
 
-        threading.Thread(target=tell, name=f"p2psync-fail-{engine}", daemon=True).start()
+        thread = threading.Thread(target=tell, name=f"p2psync-fail-{engine}", daemon=True)
+        thread.start()
+        return thread
 
     def digests(self, engine: str, rank: int, regions: Mapping[str, Sequence[Region]]) -> dict[str, str]:
         """Digests of what `engine`'s `rank` holds in `regions` (raises ControlError)."""

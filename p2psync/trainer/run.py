@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: Seconds a failed update waits for its engines to hear that it was given up on.
+GIVE_UP_WAIT = 5.0
+
 #: Per group of a unit: its bytes, what writes them into a buffer slice (returning the
 #: regions), and what its delta baseline is kept by (the group, or a packing's slot).
 Fill = tuple[int, Callable[[Any], list[Region]], Slotted]
@@ -135,6 +138,7 @@ class UpdateRun:
         made = failures.run("the report", lambda: self._report(start, [p[:3] for p in per_rank])) if leader else None
         report, error = collectives.broadcast((made, failures.error) if leader else None)
         failures.raise_any(self.version, {0: error})
+        assert report is not None  # world rank 0 made it, or raise_any raised
         self.clock.lap("finish")
         self.mode.finish(report)
         if leader:
@@ -142,14 +146,16 @@ class UpdateRun:
                 log.warning("update %s degraded: %s", self.version, note)
         return report
 
-    def give_up(self, reason: str) -> None:
+    def give_up(self, reason: str, wait: float = GIVE_UP_WAIT) -> None:
         """The update failed on the trainer side: world rank 0 tells every engine it paused
-        at once (each stays out of serving, naming `reason`), instead of its lease running out."""
+        at once (each stays out of serving, naming `reason`), instead of its lease running out;
+        it waits up to `wait` seconds for them to hear it (the caller may end its process next)."""
         if self.settings.rank != 0:
             return
-        for engine in self.conn.controls:
-            if engine not in self.failed:
-                self.calls.fail(engine, reason)
+        tells = [self.calls.fail(engine, reason) for engine in self.conn.controls if engine not in self.failed]
+        deadline = time.monotonic() + wait
+        for tell in tells:
+            tell.join(max(0.0, deadline - time.monotonic()))
 
     def _pause(self) -> tuple[dict[str, str], Held]:
         """Pause every engine; in delta mode, ask the paused ones what they hold (a rank that

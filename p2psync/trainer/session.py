@@ -124,7 +124,7 @@ class Session:
         if named_twice:
             raise ConnectError(f"engine {named_twice[0]!r} is named twice in connect({list(engines)!r})")
         read = (self._connector.read_tables(engines), self._id) if self.rank == 0 else None  # the tables, or why not
-        tables, self._id = cast("tuple[dict[str, list[TargetTable]] | str, str]", collectives.broadcast(read))
+        tables, self._id = collectives.broadcast(read)
         if isinstance(tables, str):
             raise ConnectError(tables)
         candidate = Connection(tables)

@@ -182,6 +182,11 @@ class MooncakePeer(Peer):
         self.engine = engine
         self.session = session
 
+    def close(self) -> None:
+        """Drop the Transfer Engine: once the transport drops it too it is destroyed then, with
+        its threads, not in the interpreter's teardown (where it ends the process by SIGABRT)."""
+        self.engine = None
+
     def write(self, batch: WriteBatch, *, timeout: float) -> None:
         if not batch.lengths:
             return
