@@ -31,8 +31,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PENDING = 1
-#: How often to start a Transfer Engine that lost a port race (see `MooncakeTransport.engine`).
-BIND_ATTEMPTS = 8
+#: How often to start a Transfer Engine that lost a port race (see `MooncakeTransport.engine`):
+#: 8 were not always enough for 8 engines starting at once on a host whose 15000-17000 range
+#: many earlier connections had left in TIME_WAIT (the chaos test's, run just before).
+BIND_ATTEMPTS = 20
 #: What Mooncake says when another process took the port it picked.
 PORT_RACE = re.compile(r"Address already in use|unable to find available tcp port")
 
