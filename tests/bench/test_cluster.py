@@ -102,7 +102,10 @@ def test_a_pipeline_takes_its_largest_stage_plus_the_others_first_and_last_chunk
     assert pipeline_seconds([1.0, 2.0, 1.0], [0.25] * 4) == pytest.approx(0.25 + 2.0 + 0.25)
 
 
-KEPT = sorted((Path(__file__).parents[2] / "benchmarks" / "results" / "cluster").glob("*.json"))
+#: The kept runs of topologies a and b: their trainer ranks share one node, so nothing but the
+#: update crosses a link (in c the trainer ranks' gathers cross it too).
+KEPT = sorted(p for topology in ("a", "b")
+              for p in (Path(__file__).parents[2] / "benchmarks" / "results" / "cluster").glob(f"*-cluster-{topology}-*.json"))
 
 
 @pytest.mark.parametrize("path", KEPT, ids=[p.stem for p in KEPT])
@@ -118,8 +121,7 @@ def test_the_planner_predicts_the_bytes_on_every_kept_runs_busiest_nic(path):
 
     result = json.loads(path.read_text())
     setup, topology = result["setup"], result["setup"]["cluster"]
-    if topology["name"] not in ("a", "b"):
-        pytest.skip(f"topology {topology['name']}: its trainer ranks' gathers cross the link too")
+    assert topology["name"] in ("a", "b"), path
     node = max([*topology["trainer_nodes"], topology["tp"]])
     cluster = Cluster(train_ranks=setup["trainers"], engines=topology["engines"], engine_tp=topology["tp"],
                       gpus_per_node=node, nics_per_node=node, nic_gbps=1.0, latency_us=0.0)
