@@ -22,10 +22,13 @@ class EngineControl(ABC):
         one is unreachable or refuses them. Called at connect."""
 
     @abstractmethod
-    def pause(self, version: str, lease: float) -> None:
+    def pause(self, version: str, lease: float) -> Sequence[TargetTable] | None:
         """Stop serving so that no request reads weights while they change, for an update
         to `version`. Engines that hold leases mark the update abandoned (and stay out of
-        serving) unless it finishes, or is renewed, within `lease` seconds."""
+        serving) unless it finishes, or is renewed, within `lease` seconds. Returns the
+        tables of the ranks whose transport info changed since the trainer read them (a
+        rank that fenced off the writes of an update that never finished: see
+        `Transport.fence`); the trainer writes to them there from now on."""
 
     def renew(self, version: str) -> None:
         """Extend the lease of the update to `version` (the trainer is making progress)."""

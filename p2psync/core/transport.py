@@ -101,6 +101,14 @@ class Transport(ABC):
         """Engine side: register the memory of `tensors` (contiguous) as write
         targets; return the JSON-serializable info a trainer needs to reach them."""
 
+    def fence(self, tensors: Sequence[torch.Tensor]) -> dict[str, Any] | None:
+        """Engine side, before an update that follows one that never finished: make sure no
+        write begun before this call lands after it (a write the trainer gave up on may still
+        be on its way: a TCP connection that stalled delivers once it resumes), expose
+        `tensors` again and return the new info for the table. None where this transport
+        cannot (the default): such a late write is then caught only by a digest check."""
+        return None
+
     @abstractmethod
     def register_buffer(self, buffer: torch.Tensor) -> None:
         """Trainer side: register a transfer buffer that writes will read from."""

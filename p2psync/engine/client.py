@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -36,9 +37,15 @@ class EndpointControl(EngineControl):
                     f"not as {table.instance!r}, which published the table"
                 )
 
-    def pause(self, version: str, lease: float) -> None:
-        for table in self.tables:
-            self._call(table, "pause", {"version": version, "lease": lease})
+    def pause(self, version: str, lease: float) -> list[TargetTable]:
+        moved = []
+        for i, table in enumerate(self.tables):
+            answer = self._call(table, "pause", {"version": version, "lease": lease})
+            info = answer.get("transport_info")
+            if info is not None and info != table.transport_info:
+                self.tables[i] = dataclasses.replace(table, transport_info=info)
+                moved.append(self.tables[i])
+        return moved
 
     def renew(self, version: str) -> None:
         for table in self.tables:

@@ -3,7 +3,8 @@
 An endpoint runs inside an engine worker (one per rank): it registers exactly
 the rank's parameter memory (and a patch area for delta updates) with the transport,
 claims the engine id and publishes the target table, and serves the control calls
-`pause`, `renew`, `patch` (apply a delta patch, see `patch.PatchArea`), `finish`,
+`pause` (fencing off the writes of an update that never finished first: they may still be
+on their way), `renew`, `patch` (apply a delta patch, see `patch.PatchArea`), `finish`,
 `digest`, `info` (its status) and `retire`. Adapters whose engine has no control API of its own
 (a plain torch module, a worker without a server) use it as is; the callables say
 what pausing and resuming mean for that engine. Whether the engine may serve, and
@@ -12,6 +13,7 @@ the lease of an update in progress, live in its `EngineState`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -152,8 +154,7 @@ class EngineEndpoint:
         # size 0); their tables still list them, and no write ever reaches them.
         if self.patch_bytes and self.params:
             self.patches = PatchArea(self.patch_bytes, device_of(list(self.params.values())))
-        exposed = [t for t in self.params.values() if t.numel() > 0] + ([self.patches.tensor] if self.patches else [])
-        self.transport_info = self.transport.expose(exposed)
+        self.transport_info = self.transport.expose(self._exposed())
         routes = {
             "pause": self._pause, "renew": self._renew, "patch": self._patch, "finish": self._finish,
             "digest": self._digest, "info": self._info, "retire": self._retire, "held": self._held,
@@ -173,6 +174,29 @@ class EngineEndpoint:
         self._watch = threading.Thread(target=self._watch_lease, name=f"p2psync-lease-{self.engine_id}", daemon=True)
         self._watch.start()
         return self.table
+
+    def _exposed(self) -> list[torch.Tensor]:
+        """The memory trainers write: every parameter with elements, and the patch area."""
+        return [t for t in self.params.values() if t.numel() > 0] + ([self.patches.tensor] if self.patches else [])
+
+    def _fence(self, unfinished: str) -> None:
+        """Before the update that follows `unfinished`, one that never finished here: keep
+        its writes, which may still be on their way, from landing from now on (the transport
+        drops every connection and exposes the memory anew), and publish the new info."""
+        info = self.transport.fence(self._exposed())
+        if info is None:
+            log.warning("%s: update %r never finished and transport %r cannot fence off its writes; a late one "
+                        "is caught only by a digest check (check=True)", self.where, unfinished, self.transport.name)
+            return
+        self.transport_info = info
+        if self.table is not None:
+            moved = dataclasses.replace(self.table, transport_info=info)
+            held = self.rendezvous.publish(moved, replacing=self.table)
+            if held is None:
+                self.table = moved
+            else:
+                log.warning("%s: the new transport info was not published: %s holds its place", self.where, held.instance)
+        log.info("%s: fenced off the writes of unfinished update %r; now at %s", self.where, unfinished, info)
 
     def _table(self) -> TargetTable:
         return TargetTable(
@@ -240,12 +264,15 @@ class EngineEndpoint:
     def _pause(self, body: dict[str, Any]) -> dict[str, Any]:
         version, lease = str(body["version"]), float(body["lease"])
         with self._lock:
+            unfinished = self.state.updating
             was_serving = self.state.begin(version, lease, time.monotonic())
             self._changed.notify_all()
             if was_serving:
                 self.hooks.pause()
+            if unfinished is not None:
+                self._fence(unfinished)
         self.held.settle()  # the last update's fingerprints are read before any write lands
-        return self.state.status()
+        return {**self.state.status(), "transport_info": self.transport_info}
 
     def _held(self, body: dict[str, Any]) -> dict[str, Any]:
         altered = self.held.altered()

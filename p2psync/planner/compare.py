@@ -8,7 +8,7 @@ from typing import Any
 
 from .plan import plan_dict
 from .presets import preset
-from .setups import SETUPS, Setup
+from .setups import SETUPS
 from .update import Costs
 
 #: What each published way is compared with among the predicted ways.

@@ -21,7 +21,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from ..core.delta import PatchRecord
 from ..core.engine import EngineControl
 from ..core.errors import ConnectError, ControlError
-from ..core.types import Region
+from ..core.types import Region, TargetTable
 from .delta_send import Held
 
 log = logging.getLogger(__name__)
@@ -46,16 +46,18 @@ class UpdateCalls:
         self.lease = lease
         self._renewed = time.monotonic()
 
-    def pause_all(self) -> dict[str, str]:
-        """Pause every engine; the ones that refused, with why."""
-        failed = {}
+    def pause_all(self) -> tuple[dict[str, str], list[TargetTable]]:
+        """Pause every engine; the ones that refused, with why, and the tables of the ranks
+        whose transport moved (see `EngineControl.pause`)."""
+        failed: dict[str, str] = {}
+        moved: list[TargetTable] = []
         for engine, control in self.controls.items():
             try:
-                control.pause(self.version, self.lease)
+                moved.extend(control.pause(self.version, self.lease) or ())
             except ControlError as exc:
                 failed[engine] = f"pause failed: {exc}"
         self._renewed = time.monotonic()
-        return failed
+        return failed, moved
 
     def held(self, ranks: Mapping[str, int], skip: Collection[str]) -> Held:
         """Per engine not in `skip` (of `ranks[engine]` ranks) that can tell: per rank, the

@@ -37,9 +37,33 @@ class Connection:
     peers: dict[TargetId, tuple[str, Peer]] = field(default_factory=dict)  # target -> (its table's json, peer)
     writers: dict[str, EngineWriter] = field(default_factory=dict)
     controls: dict[str, EngineControl] = field(default_factory=dict)
+    transport: Transport | None = None  # what the peers were opened with
 
     def peer(self, target: TargetId) -> Peer:
         return self.peers[target][1]
+
+    def moved(self, tables: Sequence[TargetTable]) -> None:
+        """Ranks whose transport moved (they fenced off an unfinished update's writes): write
+        to them through new peers from now on, and keep their new tables."""
+        for table in tables:
+            engine_tables = self.tables.get(table.engine_id, [])
+            self.tables[table.engine_id] = [table if t.rank == table.rank else t for t in engine_tables]
+            old = self.peers.get(table.target)
+            if old is None or self.transport is None:
+                continue
+            self.peers[table.target] = (table.to_json(), self.transport.open(table))
+            old[1].close()
+            log.info("engine %s rank %d moved its transport to %s; writing there through a new peer",
+                     table.engine_id, table.rank, table.transport_info)
+
+    def unstick_writers(self) -> None:
+        """Before an update: an engine whose writer is still inside a write of an earlier,
+        given-up update gets a new writer (see `EngineWriter.successor`)."""
+        for engine, writer in self.writers.items():
+            if writer.busy:
+                log.warning("engine %s: a write of an earlier update has not returned; writing through a new thread",
+                            engine)
+                self.writers[engine] = writer.successor()
 
     def open(
         self,
@@ -51,6 +75,7 @@ class Connection:
         """Controls, peers (of the compiled targets) and writers: `old`'s where an engine's
         tables did not change, new ones otherwise."""
         assert self.compiled is not None
+        self.transport = transport
         old = old or Connection({})
         for engine, engine_tables in self.tables.items():
             if old.tables.get(engine) == engine_tables and engine in old.controls:

@@ -25,7 +25,7 @@ from ..core.layout import aligned
 from ..core.report import EngineReport, PhaseClock, UpdateReport
 from ..core.source import TrainerSource
 from ..core.transport import WriteBatch
-from ..core.types import Region
+from ..core.types import Region, TargetTable
 from . import collectives
 from .baseline import Slotted
 from .buffers import Lease
@@ -108,9 +108,11 @@ class UpdateRun:
         failures = self.failures
         leader = self.settings.rank == 0
         paused = failures.run("the pause calls", self._pause) if leader else None
-        self.failed, held = collectives.broadcast(paused) or ({}, {})
+        self.failed, held, moved = collectives.broadcast(paused) or ({}, {}, [])
+        failures.run("reopening moved peers", lambda: self.conn.moved(moved))
         self.clock.lap("pause")
         failures.run("the update's start", lambda: self.mode.begin(full, self.version, self.clock, held))
+        self.conn.unstick_writers()
         for engine, writer in self.conn.writers.items():
             writer.start_update()
             if engine in self.failed:
@@ -157,17 +159,18 @@ class UpdateRun:
         for tell in tells:
             tell.join(max(0.0, deadline - time.monotonic()))
 
-    def _pause(self) -> tuple[dict[str, str], Held]:
+    def _pause(self) -> tuple[dict[str, str], Held, list[TargetTable]]:
         """Pause every engine; in delta mode, ask the paused ones what they hold (a rank that
-        holds another version than the baseline's, or changed since, gets its full bytes)."""
-        failed = self.calls.pause_all()
+        holds another version than the baseline's, or changed since, gets its full bytes).
+        Also the tables of the ranks whose transport moved."""
+        failed, moved = self.calls.pause_all()
         if not self.mode.proves_baselines:
-            return failed, {}
+            return failed, {}, moved
         self.clock.lap("pause")
         ranks = {engine: len(tables) for engine, tables in self.conn.tables.items()}
         held = self.calls.held(ranks, skip=failed)
         self.clock.lap("prove")
-        return failed, held
+        return failed, held, moved
 
     def _check(self, sent: Sequence[tuple[UnitWrites, dict[str, Produced]]]) -> None:
         self._progressed()

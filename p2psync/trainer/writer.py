@@ -126,6 +126,18 @@ class EngineWriter:
                 self.abandon(f"a write did not return within {self.timeout + margin:.1f} s")
                 return
 
+    @property
+    def busy(self) -> bool:
+        """Whether a submitted write has not returned yet."""
+        return not self._idle.is_set()
+
+    def successor(self) -> EngineWriter:
+        """A writer on a new thread, for a write of an earlier update that is still inside
+        its transport call (Mooncake's can block past its timeout on a connection TCP still
+        retransmits on): this thread ends once that call returns, and holds nothing back."""
+        self._jobs.put(None)
+        return EngineWriter(self.engine_id, self.timeout)
+
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=self.timeout + 5)

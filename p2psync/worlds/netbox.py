@@ -10,8 +10,8 @@ leaves a node goes through its sending NIC's class at the link's rate, with nete
 latency and loss under it. Each process of the box calls `join` first: its sockets then
 leave from its NIC's address (policy routing by file-system uid: no transport binds its
 client sockets) and its host name resolves to its own address. `nic_bytes` reads what each
-NIC's class carried; `cut` drops every packet to and from a node (its link pulled) until
-`mend`.
+NIC's class carried; `cut` drops every packet to and from a node (its link pulled) and
+`lose` a share of them (a flaky link), until `mend`.
 
 Only loopback-range addresses are used, and `shape` refuses the machine's own namespace.
 Shaping is on the sending side: a NIC receiving from several senders at once is not
@@ -38,8 +38,9 @@ CLONE_NEWNET = 0x40000000
 #: The htb classes of traffic inside a node (unshaped), of what a cut drops and of what a
 #: lossy link drops (their leaves blackholes: this kernel has no tc actions), and the first NIC's.
 INSIDE_CLASS, CUT_CLASS, LOSS_CLASS, FIRST_NIC_CLASS = 1, 2, 3, 16
-#: Filter priorities: cut links first, then traffic inside a node, then a link's losses, then each NIC.
-CUT_PRIO, INSIDE_PRIO, LOSS_PRIO, NIC_PRIO = 1, 2, 3, 4
+#: Filter priorities: cut links first, then traffic inside a node, then a link's losses (its own,
+#: then those `lose` adds until `mend`), then each NIC.
+CUT_PRIO, INSIDE_PRIO, LOSS_PRIO, LOSING_PRIO, NIC_PRIO = 1, 2, 3, 4, 5
 #: The file-system uid of the first NIC's processes, and the routing table of the first NIC
 #: (a process's sockets take their source address from its NIC's table: `join`).
 FIRST_UID, FIRST_TABLE = 20000, 100
@@ -69,18 +70,23 @@ class Link:
             raise ValueError(f"a link's rate must be positive, got {self.gbit} Gbit/s")
         if self.latency_ms < 0:
             raise ValueError(f"latency must be >= 0 ms, got {self.latency_ms}")
-        if self.loss_percent and self.loss_bits is None:
-            raise ValueError(
-                f"loss must be 100/2^k percent (50, 25, 12.5, 6.25, 3.125, ...; k up to 16), got {self.loss_percent}"
-            )
+        if self.loss_percent:
+            loss_bits(self.loss_percent)
 
     @property
     def loss_bits(self) -> int | None:
-        """k where the link drops every packet whose IP identification is 1 modulo 2^k (1 in
-        2^k of a connection's packets: deterministic, and needs no netem; not 0 modulo 2^k,
-        since handshake packets carry identification 0 and would be dropped every time);
-        None for another loss."""
-        return next((k for k in range(1, 17) if abs(100 / 2**k - self.loss_percent) < 1e-9), None)
+        """`loss_bits` of this link's loss; None for a link that loses nothing."""
+        return loss_bits(self.loss_percent) if self.loss_percent else None
+
+
+def loss_bits(percent: float) -> int:
+    """k where a link losing `percent` drops every packet whose IP identification is 1 modulo
+    2^k (1 in 2^k of a connection's packets: deterministic, and needs no netem; not 0 modulo
+    2^k, since handshake packets carry identification 0 and would be dropped every time)."""
+    k = next((k for k in range(1, 17) if abs(100 / 2**k - percent) < 1e-9), None)
+    if k is None:
+        raise ValueError(f"loss must be 100/2^k percent (50, 25, 12.5, 6.25, 3.125, ...; k up to 16), got {percent}")
+    return k
 
 
 @dataclass(frozen=True)
@@ -183,10 +189,7 @@ def shape(box: Box) -> list[Nic]:
         if box.link.latency_ms:
             _netem(tc, nic, box.link)
         if box.link.loss_bits is not None:
-            mask = f"0x{(1 << box.link.loss_bits) - 1:04x}"
-            _run([tc, "filter", "add", "dev", "lo", "parent", "1:", "protocol", "ip", "prio", str(LOSS_PRIO), "u32",
-                  "match", "ip", "src", nic.prefix, "match", "u16", "0x0001", mask, "at", "4",
-                  "flowid", f"1:{LOSS_CLASS:x}"])
+            _drop_share(tc, LOSS_PRIO, "src", nic.prefix, box.link.loss_bits)
     for node in range(len(box.ranks)):
         prefix = box.node_prefix(node)
         _run([tc, "filter", "add", "dev", "lo", "parent", "1:", "protocol", "ip", "prio", str(INSIDE_PRIO), "u32",
@@ -285,6 +288,22 @@ def cut(box: Box, node: int) -> None:
               "match", "ip", side, prefix, "flowid", f"1:{CUT_CLASS:x}"])
 
 
+def lose(box: Box, node: int, percent: float) -> None:
+    """Drop `percent` of the packets to or from `node` that cross its link (a flaky link),
+    until `mend`."""
+    tc, bits, prefix = _tool_in_box(), loss_bits(percent), box.node_prefix(node)
+    for side in ("src", "dst"):
+        _drop_share(tc, LOSING_PRIO, side, prefix, bits)
+
+
+def _drop_share(tc: str, prio: int, side: str, prefix: str, bits: int) -> None:
+    """A filter at `prio` sending 1 in 2^`bits` packets whose `side` address is in `prefix` to
+    the blackhole of lossy links (`loss_bits`: IP identification 1 modulo 2^bits)."""
+    mask = f"0x{(1 << bits) - 1:04x}"
+    _run([tc, "filter", "add", "dev", "lo", "parent", "1:", "protocol", "ip", "prio", str(prio), "u32",
+          "match", "ip", side, prefix, "match", "u16", "0x0001", mask, "at", "4", "flowid", f"1:{LOSS_CLASS:x}"])
+
+
 def _netem(tc: str, nic: Nic, link: Link) -> None:
     """Latency under `nic`'s class: netem's, where the kernel has it."""
     command = [tc, "qdisc", "add", "dev", "lo", "parent", f"1:{nic.classid:x}", "handle", f"{nic.classid:x}:",
@@ -303,8 +322,13 @@ def lost_packets() -> int:
 
 
 def mend() -> None:
-    """Undo every `cut`."""
-    _run([_tool_in_box(), "filter", "del", "dev", "lo", "parent", "1:", "prio", str(CUT_PRIO)])
+    """Undo every `cut` and every `lose` (the link's own loss stays)."""
+    tc = _tool_in_box()
+    for prio in (CUT_PRIO, LOSING_PRIO):
+        listed = subprocess.run([tc, "filter", "show", "dev", "lo", "parent", "1:", "prio", str(prio)],
+                                capture_output=True, text=True, check=True).stdout
+        if listed.strip():
+            _run([tc, "filter", "del", "dev", "lo", "parent", "1:", "prio", str(prio)])
 
 
 def _tool_in_box() -> str:

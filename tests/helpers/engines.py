@@ -20,6 +20,10 @@ import torch
 
 from p2psync.core.rendezvous import Rendezvous
 from p2psync.core.transport import Transport
+from p2psync.worlds.netbox import Box, join
+
+#: Where an engine process runs in a cluster in a box: the box, its node and slot there.
+Place = tuple[Box, int, int]
 
 
 def small_model(seed: int, width: int = 32) -> torch.nn.Module:
@@ -83,12 +87,16 @@ class RecordingTransport(Transport):
 
 
 def engine_process(
-    engine_id: str, port: int, job_id: str, transport: str, seed: int, width: int, dtype: str, stop: Any
+    engine_id: str, port: int, job_id: str, transport: str, seed: int, width: int, dtype: str, stop: Any,
+    place: Place | None = None,
 ) -> None:
-    """A torch engine serving `small_model` (in `dtype`) until `stop` is set. Besides the
-    endpoint's routes: `state` returns every parameter's bytes (hex), read by tests as
-    the engine holds them; `poke` flips the bits of one byte of parameter `name` (a stray
-    write); `reload` loads another seed's weights by the module's `load_state_dict`."""
+    """A torch engine serving `small_model` (in `dtype`) until `stop` is set, joined to
+    `place` of a cluster in a box first where given. Besides the endpoint's routes: `state`
+    returns every parameter's bytes (hex), read by tests as the engine holds them; `poke`
+    flips the bits of one byte of parameter `name` (a stray write); `reload` loads another
+    seed's weights by the module's `load_state_dict`."""
+    if place is not None:
+        join(*place)
     from p2psync.adapters.torch import serve
     from p2psync.engine.endpoint import EngineHooks
     from p2psync.core.logs import configure
@@ -120,11 +128,13 @@ def engine_process(
 
 @dataclass
 class Engines:
-    """Engine processes of one job; killed at the end of the `engines` context."""
+    """Engine processes of one job (each at its place in a cluster in a box where `places`
+    names one); killed at the end of the `engines` context."""
 
     rendezvous: Rendezvous
     transport: str
     width: int = 32
+    places: dict[str, Place] = field(default_factory=dict)
     procs: dict[str, Any] = field(default_factory=dict)
     stops: dict[str, Any] = field(default_factory=dict)
 
@@ -135,7 +145,7 @@ class Engines:
             target=engine_process,
             args=(
                 engine_id, self.rendezvous.port, self.rendezvous.job_id, self.transport, seed, width or self.width,
-                dtype, stop,
+                dtype, stop, self.places.get(engine_id),
             ),
             name=engine_id,
             daemon=True,
@@ -176,10 +186,12 @@ class Engines:
 
 
 @contextmanager
-def engines(transport: str = "mooncake", job_id: str = "test", width: int = 32) -> Iterator[Engines]:
+def engines(
+    transport: str = "mooncake", job_id: str = "test", width: int = 32, places: dict[str, Place] | None = None
+) -> Iterator[Engines]:
     """A rendezvous hosted by the test process and a set of engine processes."""
     rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id=job_id, is_server=True, timeout=30)
-    group = Engines(rendezvous, transport, width)
+    group = Engines(rendezvous, transport, width, places or {})
     try:
         yield group
     finally:

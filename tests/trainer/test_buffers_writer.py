@@ -23,6 +23,7 @@ from p2psync.trainer.buffers import BufferPool, Lease
 from p2psync.core.errors import ControlError, TransferError, TransferTimeout
 from p2psync.core.transport import Peer, Transport, WriteBatch
 from p2psync.core.types import TargetId, TargetTable
+from p2psync.trainer.connection import Connection
 from p2psync.trainer.writer import EngineWriter, WriteJob
 
 # -- transports ------------------------------------------------------------------------------
@@ -704,3 +705,40 @@ def test_after_runs_once_the_bytes_landed_and_before_the_next_job(
     assert writer.progress.bytes == 64  # the failed apply's write does not count as delivered
     assert torch.equal(engine.memory, leases[1])  # the third job was dropped
     assert is_free(pool)
+
+
+def test_a_write_stuck_past_its_update_does_not_hold_back_the_next(
+    transport: MemoryTransport, writers: list[EngineWriter]
+) -> None:
+    """Mooncake's write call can block past its timeout on a connection TCP still retransmits
+    on: once the update gave that engine up, the next one writes through a new thread, at once,
+    and the old thread ends when the stuck call returns."""
+    pool = BufferPool(64, transport)
+    engine = Engine(transport, 64)
+    stuck, good = HeldPeer(), MemoryPeer(transport)
+    conn = Connection({"e": []}, writers={"e": new_writer(writers, "e", timeout=0.1)})
+    old = conn.writers["e"]
+    target = TargetId("e", 0)
+    lease = pool.acquire(1.0)
+    old.submit(WriteJob(target, stuck, whole(lease, engine, 64), lease))
+    lease.release()
+    assert stuck.inside.wait(2.0)
+    drain(old, margin=0.1)  # the update gives the engine up; the call is still inside the transport
+    try:
+        conn.unstick_writers()
+        new = conn.writers["e"]
+        assert new is not old and not new.busy
+        writers.append(new)
+        lease = pool.acquire(1.0)
+        sent = fill_random(lease, seed=5)
+        new.start_update()
+        new.submit(WriteJob(target, good, whole(lease, engine, 64), lease))
+        lease.release()
+        drain(new, limit=2.0)
+        assert new.progress.error is None and torch.equal(engine.memory, sent)
+        conn.unstick_writers()  # an idle writer is kept
+        assert conn.writers["e"] is new
+    finally:
+        stuck.let_go()
+    old._thread.join(2.0)
+    assert not old._thread.is_alive(), "the stuck writer's thread did not end once its call returned"

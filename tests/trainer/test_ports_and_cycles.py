@@ -20,7 +20,6 @@ import pytest
 
 pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is not installed")
 
-import torch  # noqa: E402
 from tests.helpers.engines import engines, small_model  # noqa: E402
 
 from p2psync.adapters.fsdp2 import FSDP2Source  # noqa: E402

@@ -105,31 +105,55 @@ def test_gloo_ranks_that_joined_the_box_send_through_their_own_nics(tmp_path):
     assert 2 * mb <= counted["node0/rank1"] < 2.2 * mb and 2 * mb <= counted["node1/rank0"] < 2.2 * mb, counted
 
 
-#: 4 MB across a link that loses 1 packet in 16, inside the box.
-LOSSY = """
-import json, socket, sys, threading
-from p2psync.worlds.netbox import Box, Link, enter_namespace, lost_packets, shape
+#: `send()`: 4 MB from node 0 to node 1 of `box` (made and shaped inside the box) over one TCP
+#: connection; whether every byte arrived, and the packets the box has dropped so far.
+SEND = """
+import json, socket, threading
+from p2psync.worlds.netbox import Box, Link, enter_namespace, lose, lost_packets, mend, shape
 enter_namespace()
-box = Box((1, 1), Link(gbit=1.0, loss_percent=6.25))
+box = Box((1, 1), Link(gbit=1.0, loss_percent=LOSS_PERCENT))
 shape(box)
-server, got = socket.create_server((box.address(1, 0), 5000)), []
-def receive():
-    conn, _ = server.accept()
-    while data := conn.recv(1 << 20):
-        got.append(data)
-thread = threading.Thread(target=receive)
-thread.start()
+server = socket.create_server((box.address(1, 0), 5000))
 payload = bytes(range(256)) * (4 << 12)
-with socket.create_connection((box.address(1, 0), 5000), timeout=30, source_address=(box.address(0, 0), 0)) as conn:
-    conn.sendall(payload)
-thread.join(30)
-print(json.dumps({"exact": b"".join(got) == payload, "lost": lost_packets()}))
+def send():
+    got = []
+    def receive():
+        conn, _ = server.accept()
+        while data := conn.recv(1 << 20):
+            got.append(data)
+    thread = threading.Thread(target=receive)
+    thread.start()
+    with socket.create_connection((box.address(1, 0), 5000), timeout=30, source_address=(box.address(0, 0), 0)) as c:
+        c.sendall(payload)
+    thread.join(30)
+    return {"exact": b"".join(got) == payload, "lost": lost_packets()}
 """
 
 
 def test_a_lossy_link_drops_packets_and_tcp_still_delivers_every_byte(tmp_path):
-    result = _in_box(tmp_path, LOSSY)
+    script = SEND.replace("LOSS_PERCENT", "6.25") + "print(json.dumps(send()))\n"
+    result = _in_box(tmp_path, script)
     assert result["exact"] and result["lost"] > 0, result
+
+
+#: Three times over a clean link: as is, while `lose` drops 1 packet in 16 to or from node 1,
+#: and after `mend` (twice: mending nothing is no error).
+LOSING = SEND.replace("LOSS_PERCENT", "0.0") + """
+clean = send()
+lose(box, 1, 6.25)
+losing = send()
+mend()
+mend()
+mended = send()
+print(json.dumps({"clean": clean, "losing": losing, "mended": mended}))
+"""
+
+
+def test_a_link_made_lossy_drops_packets_until_mended(tmp_path):
+    result = _in_box(tmp_path, LOSING)
+    assert result["clean"] == {"exact": True, "lost": 0}, result
+    assert result["losing"]["exact"] and result["losing"]["lost"] > 0, result
+    assert result["mended"] == {"exact": True, "lost": result["losing"]["lost"]}, result
 
 
 def _in_box(tmp_path: Path, script: str) -> dict:

@@ -192,9 +192,10 @@ class ServedControl(EndpointControl):
         super().check_access()
         self.server.check_access()
 
-    def pause(self, version: str, lease: float) -> None:
-        super().pause(version, lease)  # each rank's endpoint holds the update's lease
+    def pause(self, version: str, lease: float) -> list[TargetTable]:
+        moved = super().pause(version, lease)  # each rank's endpoint holds the update's lease
         self.server.pause(version, lease)
+        return moved
 
     def finish(self, version: str) -> None:
         super().finish(version)  # each rank's endpoint runs sglang's post-load step

@@ -150,6 +150,13 @@ class MooncakeTransport(Transport):
             self._register(tensor)
         return {"session": f"{self.host}:{self.engine.get_rpc_port()}", "protocol": self.protocol}
 
+    def fence(self, tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
+        """Drop the Transfer Engine, whose destruction closes every connection it accepted (a
+        stalled one would otherwise write into `tensors` once it resumes, whenever that is),
+        and expose them through a new one, on new ports."""
+        self.close()
+        return self.expose(tensors)
+
     def register_buffer(self, buffer: torch.Tensor) -> None:
         self._register(buffer)
 
@@ -193,11 +200,12 @@ class MooncakePeer(Peer):
         if not batch.lengths:
             return
         deadline = time.monotonic() + timeout
-        batch_id = self.engine.batch_transfer_async_write(self.session, batch.local, batch.remote, batch.lengths)
+        engine = self.engine  # `close` may drop it while a write is still in here
+        batch_id = engine.batch_transfer_async_write(self.session, batch.local, batch.remote, batch.lengths)
         if batch_id == 0:
             raise TransferError(f"Mooncake could not start a write to {self.session}")
         pause = 50e-6
-        while (status := self.engine.get_batch_transfer_status([batch_id])) == PENDING:
+        while (status := engine.get_batch_transfer_status([batch_id])) == PENDING:
             if time.monotonic() > deadline:
                 raise TransferTimeout(f"write of {batch.nbytes} bytes to {self.session} not done after {timeout:.1f} s")
             time.sleep(pause)
