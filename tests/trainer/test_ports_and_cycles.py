@@ -29,8 +29,10 @@ from p2psync.transports.mooncake.transport import MooncakeTransport  # noqa: E40
 ENDPOINTS = 8
 ROUNDS = 20
 #: Mooncake's port range for the racing engines (it reads MC_MIN/MAX_RPC_PORT once per
-#: process): 24 ports for the 16 that 8 Transfer Engines hold (an RPC and a data port each).
-PORTS = (24100, 24123)
+#: process): 40 ports for the 16 that 8 Transfer Engines hold (an RPC and a data port each),
+#: so that most rounds see a collision. With 24 ports, a loaded CI machine saw an engine lose
+#: 20 races in a row (each start picks among the ports the other 7 do not hold yet).
+PORTS = (24100, 24139)
 
 #: One engine process, light (no torch): on "go" it exposes a buffer over Mooncake as an
 #: engine endpoint does, answers "ok" or the error; on "close" it closes the transport.
