@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     )
     from .core.hookspecs import hookimpl
     from .core.layout import CopyRun, Layout, ParamGroup
+    from .core.pause import PAUSE_MODES, PauseMode
     from .core.plugins import Registry, registry
     from .core.rendezvous import Rendezvous
     from .core.report import EngineReport, UpdateReport
@@ -68,6 +69,7 @@ _EXPORTS = {
     **dict.fromkeys(
         ["ParamSpec", "Region", "SenderGroup", "TargetId", "TargetParam", "TargetTable"], "p2psync.core.types"
     ),
+    **dict.fromkeys(["PauseMode", "PAUSE_MODES"], "p2psync.core.pause"),
     **dict.fromkeys(["hookimpl"], "p2psync.core.hookspecs"),
     **dict.fromkeys(["Registry", "registry"], "p2psync.core.plugins"),
     **dict.fromkeys(["EngineEndpoint", "EngineHooks", "EndpointOptions", "EndpointControl"], "p2psync.engine.endpoint"),

@@ -28,6 +28,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..core.pause import choose
 from ..core.report import PhaseClock
 from . import broadcast
 
@@ -166,8 +167,8 @@ class BroadcastWay(Way):
         if self.leader is not None:
             self._updates += 1
             version = version_label(self._updates)
-            for control in self.controls:
-                control.pause(version, self.lease)
+            for control in self.controls:  # in the mode a session takes by default, as the p2p ways do
+                control.pause(version, self.lease, choose(None, control.pause_modes(), "of the bench"))
             self._clock.lap("pause")
             self.leader.send(self._gather, self._clock, progress, self.mode)
             self._sent = self.leader.sent_bytes

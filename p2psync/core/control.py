@@ -101,3 +101,20 @@ def post(url: str, route: str, body: Mapping[str, Any] | None = None, *, token: 
         raise ControlError(f"{route} at {url} answered {exc.code}: {detail}") from exc
     except (OSError, ValueError, http.client.HTTPException) as exc:  # HTTPException: the engine died mid-answer
         raise ControlError(f"{route} at {url} failed: {exc}") from exc
+
+
+def http_json(url: str, path: str, body: dict[str, Any] | None = None, *, timeout: float) -> Any:
+    """GET (no body) or POST JSON to an engine's own HTTP API (an sglang or vLLM server); the
+    decoded JSON answer, or its text."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"{url}{path}", data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            text = answer.read().decode()
+    except (urllib.error.URLError, OSError) as exc:
+        detail = exc.read().decode()[:300] if isinstance(exc, urllib.error.HTTPError) else str(exc)
+        raise ControlError(f"{path} at {url} failed: {detail}") from exc
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text

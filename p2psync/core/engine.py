@@ -10,6 +10,7 @@ from .delta import PatchRecord
 from .errors import ControlError
 from .layout import Layout
 from .options import NoOptions, parse
+from .pause import PauseMode
 from .types import ParamSpec, Region, TargetTable
 
 
@@ -21,10 +22,19 @@ class EngineControl(ABC):
         """Reach every rank once with the job's credentials; raise ControlError if
         one is unreachable or refuses them. Called at connect."""
 
+    def pause_modes(self) -> tuple[PauseMode, ...]:
+        """The pause modes (`p2psync.core.pause`) this engine has, best first; known without a
+        call to the engine, so that every trainer rank checks a session's mode alike."""
+        return ("abort",)
+
     @abstractmethod
-    def pause(self, version: str, lease: float) -> Sequence[TargetTable] | None:
+    def pause(
+        self, version: str, lease: float, mode: PauseMode, *, flush_cache: bool = True
+    ) -> Sequence[TargetTable] | None:
         """Stop serving so that no request reads weights while they change, for an update
-        to `version`. Engines that hold leases mark the update abandoned (and stay out of
+        to `version`; `mode` (one of `pause_modes()`) says what becomes of the requests in
+        flight, `flush_cache` whether the update drops what the old weights computed (prefix
+        and KV caches: some engines clear them as they pause, others as they finish). Engines that hold leases mark the update abandoned (and stay out of
         serving) unless it finishes, or is renewed, within `lease` seconds. Returns the
         tables of the ranks whose transport info changed since the trainer read them (a
         rank that fenced off the writes of an update that never finished: see
@@ -35,8 +45,8 @@ class EngineControl(ABC):
 
     @abstractmethod
     def finish(self, version: str) -> None:
-        """After every write landed: post-process, drop what the old weights
-        computed (prefix and KV caches), set the weight version, resume serving."""
+        """After every write landed: post-process, drop what the old weights computed (unless
+        the pause said not to), set the weight version, resume serving."""
 
     def fail(self, version: str, reason: str) -> None:
         """The trainer gave up on the update to `version` for `reason` (a failed digest check

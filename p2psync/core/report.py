@@ -13,7 +13,8 @@ class EngineReport:
     `seconds` runs from the start of the update to the last write that landed on
     the engine; `bytes` counts what all senders wrote to all its ranks, and
     `rank_bytes` what they wrote to each rank. `delta_ranks` are the ranks that
-    received a delta (only what changed) rather than their full bytes.
+    received a delta (only what changed) rather than their full bytes. `pause` is the
+    mode it paused in (`p2psync.core.pause`).
     """
 
     engine_id: str
@@ -24,6 +25,7 @@ class EngineReport:
     checked: bool = False
     error: str | None = None
     delta_ranks: list[int] = field(default_factory=list)
+    pause: str | None = None
 
     @property
     def gbps(self) -> float:
@@ -68,13 +70,15 @@ class UpdateReport:
 
     def format(self) -> str:
         lines = [f"update {self.version}: {self.seconds:.3f} s"]
-        lines.append(f"  {'engine':<16} {'status':<7} {'bytes':>14} {'seconds':>9} {'GB/s':>7}  check")
+        lines.append(f"  {'engine':<16} {'status':<7} {'pause':<8} {'bytes':>14} {'seconds':>9} {'GB/s':>7}  check")
         for e in sorted(self.engines.values(), key=lambda e: e.engine_id):
             status = "ok" if e.ok else "STALE"
             check = "digest ok" if e.checked and e.ok else ("-" if not e.checked else "")
             if e.delta_ranks:
                 check += f", delta to rank(s) {','.join(map(str, e.delta_ranks))}"
-            lines.append(f"  {e.engine_id:<16} {status:<7} {e.bytes:>14,} {e.seconds:>9.3f} {e.gbps:>7.2f}  {check}")
+            lines.append(
+                f"  {e.engine_id:<16} {status:<7} {e.pause or '-':<8} {e.bytes:>14,} {e.seconds:>9.3f} {e.gbps:>7.2f}  {check}"
+            )
             if e.error:
                 lines.append(f"    error: {e.error}")
         if self.gather_free_bytes or self.gathered_bytes:

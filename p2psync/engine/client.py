@@ -11,7 +11,11 @@ from ..core.control import post
 from ..core.delta import PatchRecord
 from ..core.engine import EngineControl
 from ..core.errors import ControlError, where
+from ..core.pause import PauseMode
 from ..core.types import Region, TargetTable
+
+#: `TargetTable.extra` key under which an endpoint lists its pause modes, best first.
+PAUSE_MODES_KEY = "pause_modes"
 
 
 class EndpointControl(EngineControl):
@@ -37,10 +41,18 @@ class EndpointControl(EngineControl):
                     f"not as {table.instance!r}, which published the table"
                 )
 
-    def pause(self, version: str, lease: float) -> list[TargetTable]:
+    def pause_modes(self) -> tuple[PauseMode, ...]:
+        """The modes every rank's endpoint has, in rank 0's order."""
+        offered = [tuple(t.extra.get(PAUSE_MODES_KEY, ("abort",))) for t in self.tables]
+        return tuple(mode for mode in offered[0] if all(mode in modes for modes in offered[1:]))
+
+    def pause(self, version: str, lease: float, mode: PauseMode, *, flush_cache: bool = True) -> list[TargetTable]:
         moved = []
+        # a drain ("wait") ends before this call times out, so that a refusal reaches the trainer
+        body = {"version": version, "lease": lease, "mode": mode, "flush_cache": flush_cache,
+                "drain_seconds": min(lease, 0.9 * self.timeout)}
         for i, table in enumerate(self.tables):
-            answer = self._call(table, "pause", {"version": version, "lease": lease})
+            answer = self._call(table, "pause", body)
             info = answer.get("transport_info")
             if info is not None and info != table.transport_info:
                 self.tables[i] = dataclasses.replace(table, transport_info=info)

@@ -29,9 +29,10 @@ from ..core.host import local_host
 from ..core.errors import P2PSyncError, where
 from ..core.exits import CloseAtExit
 from ..core.memory import device_of
+from ..core.pause import PAUSE_MODES, PauseMode, pause_mode
 from ..core.types import TargetParam, TargetTable
 from .claim import claim
-from .client import EndpointControl
+from .client import PAUSE_MODES_KEY, EndpointControl
 from .fingerprints import HeldWeights
 from .hooks import EndpointOptions, EngineHooks
 from .patch import PatchArea, default_area_bytes
@@ -94,9 +95,12 @@ class EngineEndpoint:
         self.transport = transport
         self.rendezvous = rendezvous
         self.hooks = hooks or EngineHooks()
+        if not self.hooks.pause_modes or not set(self.hooks.pause_modes) <= set(PAUSE_MODES):
+            raise ValueError(f"{where(engine_id, rank)}: hooks.pause_modes {self.hooks.pause_modes!r} must name "
+                             "one or more pause modes (p2psync.core.pause.PAUSE_MODES)")
         self.host = host or local_host()  # $P2PSYNC_HOST or loopback
         self.token = rendezvous.token() if token is None else token
-        self.extra = dict(extra or {})
+        self.extra = {**(extra or {}), PAUSE_MODES_KEY: list(self.hooks.pause_modes)}
         self.requested_incarnation = incarnation
         self.state = EngineState(version=version)
         self.table: TargetTable | None = None
@@ -108,6 +112,10 @@ class EngineEndpoint:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._closing = False
+        self._in_flight = 0  # calls of the hooks' routes running now
+        self._aborts = 0  # pauses in mode "abort": a route call that saw one answers 503 with the reason
+        self._abort_reason = ""
+        self._flush_at_finish = True  # as the update in progress asked at its pause
         self._watch: threading.Thread | None = None
         self._server: ControlServer | None = None
         self.held = HeldWeights(self.params)
@@ -148,7 +156,7 @@ class EngineEndpoint:
         the table. Raises RendezvousError, having released everything, if a live engine
         holds the id."""
         if not self.state.serving:
-            self.hooks.pause()
+            self.hooks.pause("abort")  # nothing is in flight yet
         self.transport.bind(self.rendezvous)
         # Zero-element parameters have no memory to register (a transport may refuse
         # size 0); their tables still list them, and no write ever reaches them.
@@ -263,16 +271,40 @@ class EngineEndpoint:
 
     def _pause(self, body: dict[str, Any]) -> dict[str, Any]:
         version, lease = str(body["version"]), float(body["lease"])
+        mode = str(body.get("mode", "abort"))
+        if mode not in self.hooks.pause_modes:
+            raise Refused(f"{self.where} cannot pause in mode {mode!r}; it has {', '.join(self.hooks.pause_modes)}")
         with self._lock:
             unfinished = self.state.updating
             was_serving = self.state.begin(version, lease, time.monotonic())
+            self._flush_at_finish = bool(body.get("flush_cache", True))
             self._changed.notify_all()
             if was_serving:
-                self.hooks.pause()
+                self._stop_serving(pause_mode(mode), float(body.get("drain_seconds", lease)))
             if unfinished is not None:
                 self._fence(unfinished)
         self.held.settle()  # the last update's fingerprints are read before any write lands
         return {**self.state.status(), "transport_info": self.transport_info}
+
+    def _stop_serving(self, mode: PauseMode, drain_seconds: float) -> None:
+        """With the lock held and no new route call admitted: carry out `mode` on the calls in
+        flight, then the engine's own pause. A drain longer than `drain_seconds` (the trainer's
+        call would time out) refuses the pause: the engine stays out of serving, the update
+        goes on without it, and its lease runs out."""
+        if mode == "abort":
+            self._abort_calls_in_flight()
+        elif mode == "wait":
+            deadline = time.monotonic() + drain_seconds
+            while self._in_flight and time.monotonic() < deadline:
+                self._changed.wait(deadline - time.monotonic())
+            if self._in_flight:
+                raise Refused(f"{self.where}: {self._in_flight} request(s) still in flight after {drain_seconds:g} s "
+                              "of draining (pause mode 'wait')")
+        self.hooks.pause(mode)
+
+    def _abort_calls_in_flight(self) -> None:
+        self._aborts += 1
+        self._abort_reason = self.state.why_not_serving()
 
     def _held(self, body: dict[str, Any]) -> dict[str, Any]:
         altered = self.held.altered()
@@ -297,7 +329,8 @@ class EngineEndpoint:
         with self._lock:
             self.state.check_update(version, "finish")
             self.hooks.post_process()
-            self.hooks.flush_cache()
+            if self._flush_at_finish:
+                self.hooks.flush_cache()
             self.state.complete(version)
             self.held.finished(version)
             self._changed.notify_all()
@@ -319,7 +352,8 @@ class EngineEndpoint:
             was_serving = self.state.retire(reason)
             self._changed.notify_all()
             if was_serving:
-                self.hooks.pause()
+                self._abort_calls_in_flight()
+                self.hooks.pause("abort")
         log.error("%s: %s; not serving any more", self.where, reason)
         self.hooks.on_stale(reason)
         return {}
@@ -338,16 +372,26 @@ class EngineEndpoint:
         table = self.table
         return {
             "rank": self.rank, "incarnation": table.incarnation if table else None,
-            "instance": table.instance if table else None, **status,
+            "instance": table.instance if table else None, "pause_modes": list(self.hooks.pause_modes), **status,
         }
 
     def _serving_only(self, handler: Callable[[dict[str, Any]], dict[str, Any] | None]) -> Callable[..., Any]:
         def guarded(body: dict[str, Any]) -> dict[str, Any] | None:
             with self._lock:
-                refused = None if self.state.serving else self.state.why_not_serving()
-            if refused is not None:
-                raise Refused(f"{self.where} is not serving: {refused}", status=503)
-            return handler(body)
+                if not self.state.serving:
+                    raise Refused(f"{self.where} is not serving: {self.state.why_not_serving()}", status=503)
+                self._in_flight += 1
+                aborts = self._aborts
+            try:
+                answer = handler(body)
+            finally:
+                with self._lock:
+                    self._in_flight -= 1
+                    self._changed.notify_all()
+                    cut = self._abort_reason if self._aborts != aborts else None
+            if cut is not None:  # computed while the weights changed: its answer is thrown away
+                raise Refused(f"{self.where} aborted this request: {cut}", status=503)
+            return answer
 
         return guarded
 

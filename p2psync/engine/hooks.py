@@ -7,8 +7,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
+from ..core.pause import PauseMode
+
 
 def _nothing() -> None:
+    return None
+
+
+def _no_pause(mode: PauseMode) -> None:
     return None
 
 
@@ -20,14 +26,21 @@ def _ignore(reason: str) -> None:
 class EngineHooks:
     """What the engine does at each control call. Defaults do nothing.
 
-    `pause` takes the engine out of serving (at the start of an update, and at start-up
+    `pause(mode)` takes the engine out of serving (at the start of an update, and at start-up
     when the version of its weights is unknown), `resume` puts it back; they alternate.
-    `on_stale(reason)` is called when the engine marks itself stale (an update abandoned
-    by its trainer, a successor that replaced it), so that a framework can drain or
-    restart it; the engine stays out of serving meanwhile.
+    `mode` is one of `pause_modes` (best first; see `p2psync.core.pause`) and says what
+    becomes of the engine's requests in flight: the endpoint itself drains its own `routes`
+    in "wait" (the hook runs once none is in flight) and answers the calls an "abort" cut
+    off with 503; "retract" and "in_place" are the engine's to carry out, so declare them
+    only where the hook does. At start-up and when a successor retires the rank, the mode
+    is "abort". `flush_cache` runs at the end of an update unless the trainer asked to
+    keep caches. `on_stale(reason)` is called when the engine marks itself stale (an update
+    abandoned by its trainer, a successor that replaced it), so that a framework can drain
+    or restart it; the engine stays out of serving meanwhile.
     """
 
-    pause: Callable[[], None] = _nothing
+    pause: Callable[[PauseMode], None] = _no_pause
+    pause_modes: tuple[PauseMode, ...] = ("wait", "abort")
     post_process: Callable[[], None] = _nothing
     flush_cache: Callable[[], None] = _nothing
     resume: Callable[[], None] = _nothing

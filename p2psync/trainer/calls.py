@@ -21,6 +21,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from ..core.delta import PatchRecord
 from ..core.engine import EngineControl
 from ..core.errors import ConnectError, ControlError
+from ..core.pause import PauseMode, choose
 from ..core.types import Region, TargetTable
 from .delta_send import Held
 
@@ -36,14 +37,26 @@ def check_access(controls: Mapping[str, EngineControl]) -> None:
             raise ConnectError(str(exc)) from exc
 
 
-class UpdateCalls:
-    """The control calls of the update to `version`; leases of `lease` seconds, renewed at
-    most every quarter lease."""
+def pause_modes(controls: Mapping[str, EngineControl], asked: PauseMode | None) -> dict[str, PauseMode]:
+    """The mode each engine pauses in when `asked` (None: each its first that aborts nothing);
+    OptionsError naming an engine that lacks the mode asked, and the modes it has."""
+    return {engine: choose(asked, control.pause_modes(), engine) for engine, control in controls.items()}
 
-    def __init__(self, controls: Mapping[str, EngineControl], version: str, lease: float) -> None:
+
+class UpdateCalls:
+    """The control calls of the update to `version`: engines paused in `modes`, their caches
+    flushed at the finish if `flush_cache`; leases of `lease` seconds, renewed at most every
+    quarter lease."""
+
+    def __init__(
+        self, controls: Mapping[str, EngineControl], version: str, lease: float, *, modes: Mapping[str, PauseMode],
+        flush_cache: bool,
+    ) -> None:
         self.controls = controls
         self.version = version
         self.lease = lease
+        self.modes = modes
+        self.flush_cache = flush_cache
         self._renewed = time.monotonic()
 
     def pause_all(self) -> tuple[dict[str, str], list[TargetTable]]:
@@ -53,7 +66,8 @@ class UpdateCalls:
         moved: list[TargetTable] = []
         for engine, control in self.controls.items():
             try:
-                moved.extend(control.pause(self.version, self.lease) or ())
+                paused = control.pause(self.version, self.lease, self.modes[engine], flush_cache=self.flush_cache)
+                moved.extend(paused or ())
             except ControlError as exc:
                 failed[engine] = f"pause failed: {exc}"
         self._renewed = time.monotonic()

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from ..core.engine import EngineControl
 from ..core.errors import ConnectError, P2PSyncError, where
+from ..core.pause import pause_mode
 from ..core.plugins import Registry
 from ..core.rendezvous import Rendezvous
 from ..core.source import TrainerSource
@@ -20,7 +21,7 @@ from ..core.transport import Transport
 from ..core.types import ParamSpec, TargetTable
 from . import collectives
 from .buffers import BufferPool
-from .calls import check_access
+from .calls import check_access, pause_modes
 from .compiler import HeldRanges, SenderView, compile_connection
 from .connection import Connection
 from .layouts import LayoutCache
@@ -101,6 +102,8 @@ class Connector:
             compiled.served, compiled.patch_share, current.patch_pool if current else None, self.transport
         )
         conn.open(current, self.transport, self._control_for, self.options.transfer_timeout)
+        asked = None if self.options.pause is None else pause_mode(self.options.pause)
+        conn.pause_modes = pause_modes(conn.controls, asked)
         if self.rank == 0:
             check_access(conn.controls)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..core.engine import EngineControl
+from ..core.pause import PauseMode
 from ..core.transport import Peer, Transport
 from ..core.types import TargetId, TargetTable
 from .buffers import BufferPool
@@ -37,6 +38,7 @@ class Connection:
     peers: dict[TargetId, tuple[str, Peer]] = field(default_factory=dict)  # target -> (its table's json, peer)
     writers: dict[str, EngineWriter] = field(default_factory=dict)
     controls: dict[str, EngineControl] = field(default_factory=dict)
+    pause_modes: dict[str, PauseMode] = field(default_factory=dict)  # the session's mode, per engine
     transport: Transport | None = None  # what the peers were opened with
 
     def peer(self, target: TargetId) -> Peer:

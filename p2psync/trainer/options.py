@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..core.options import parse
+from ..core.pause import PauseMode, pause_mode
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 GATHER_MODES = ("auto", "always")
@@ -64,7 +65,11 @@ class SessionOptions:
     gathers the rest; "always" gathers every HF tensor before producing bytes. `delta` (True, `DeltaOptions` or their mapping) sends each
     target only what changed since the bytes it holds. `layout_cache_dir` (default
     `$P2PSYNC_CACHE_DIR`; None: none) keeps compiled layouts on disk for later processes;
-    every rank and job may share it.
+    every rank and job may share it. `pause` (a `p2psync.core.pause` mode, or vLLM's "keep")
+    says what each engine does with its requests in flight during an update; None (the
+    default) takes each engine's first mode that aborts nothing. `flush_cache` (default on)
+    has each engine drop what its old weights computed (prefix and KV caches) when an update
+    finishes; off, requests after the update may reuse prefixes the old weights computed.
     """
 
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -79,6 +84,8 @@ class SessionOptions:
     gather: Literal["auto", "always"] = "auto"
     delta: bool | Mapping[str, Any] | DeltaOptions | None = None
     layout_cache_dir: str | None = field(default_factory=lambda: os.environ.get("P2PSYNC_CACHE_DIR") or None)
+    pause: PauseMode | Literal["keep"] | None = None
+    flush_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.gather not in GATHER_MODES:
@@ -89,6 +96,8 @@ class SessionOptions:
             raise ValueError(f"transfer_timeout must be positive, got {self.transfer_timeout}")
         if self.update_lease is not None and self.update_lease <= 0:
             raise ValueError(f"update_lease must be positive, got {self.update_lease}")
+        if self.pause is not None:
+            object.__setattr__(self, "pause", pause_mode(self.pause))  # "keep" is vLLM's "in_place"
         object.__setattr__(self, "delta", parse_delta(self.delta))  # True or a mapping become DeltaOptions
         object.__setattr__(self, "engine_options", {k: dict(v) for k, v in (self.engine_options or {}).items()})
 

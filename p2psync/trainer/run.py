@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.digest import byte_view, digest
 from ..core.errors import ControlError, where
 from ..core.layout import aligned
+from ..core.pause import PauseMode
 from ..core.report import EngineReport, PhaseClock, UpdateReport
 from ..core.source import TrainerSource
 from ..core.transport import WriteBatch
@@ -84,6 +85,7 @@ class RunSettings:
     check: bool
     timeout: float
     lease: float
+    flush_cache: bool
 
 
 class UpdateRun:
@@ -91,14 +93,16 @@ class UpdateRun:
 
     def __init__(
         self, conn: Connection, source: TrainerSource, mode: UpdateMode, settings: RunSettings, version: str,
-        failures: RankFailures,
+        failures: RankFailures, pause_modes: Mapping[str, PauseMode],
     ) -> None:
         assert conn.compiled is not None and conn.pool is not None
         self.conn, self.compiled, self.pool = conn, conn.compiled, conn.pool
         self.source, self.mode, self.settings, self.version = source, mode, settings, version
         self.failures = failures
         self.clock = PhaseClock()
-        self.calls = UpdateCalls(conn.controls, version, settings.lease)
+        self.calls = UpdateCalls(
+            conn.controls, version, settings.lease, modes=pause_modes, flush_cache=settings.flush_cache
+        )
         self.failed: dict[str, str] = {}  # engines that refused the pause
 
     def run(self, progress: Callable[[int, int], None] | None, full: bool) -> UpdateReport:
@@ -342,7 +346,10 @@ class UpdateRun:
     def _report(self, start: float, per_rank: Sequence[tuple[WriteStatus, list[str], tuple[int, int]]]) -> UpdateReport:
         """Every rank's write statuses merged per engine, and what degraded; then the finish
         calls (world rank 0)."""
-        engines = {e: EngineReport(e, ok=e not in self.failed, error=self.failed.get(e)) for e in self.conn.tables}
+        engines = {
+            e: EngineReport(e, ok=e not in self.failed, error=self.failed.get(e), pause=self.calls.modes[e])
+            for e in self.conn.tables
+        }
         degraded = list(dict.fromkeys(note for _, notes, _ in per_rank for note in notes))
         for statuses, _, _ in per_rank:
             for engine, (rank_bytes, seconds, error) in statuses.items():

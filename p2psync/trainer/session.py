@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 from ..core.errors import ConnectError, P2PSyncError, TrainerLost, UpdateError, first_line
 from ..core.exits import CloseAtExit
+from ..core.pause import PauseMode, pause_mode
 from ..core.plugins import Registry, registry as default_registry
 from ..core.rendezvous import Rendezvous
 from ..core.report import UpdateReport
@@ -22,6 +23,7 @@ from ..core.source import TrainerSource
 from ..core.transport import Transport
 from ..core.types import TargetTable
 from . import collectives
+from .calls import pause_modes
 from .connect import Connector
 from .connection import Connection
 from .failures import RankFailures
@@ -169,6 +171,7 @@ class Session:
         progress: Callable[[int, int], None] | None = None,
         full: bool = False,
         rollback: bool = False,
+        pause: PauseMode | Literal["keep"] | None = None,
     ) -> UpdateReport:
         """Write the trainer's current weights into every connected engine.
 
@@ -183,27 +186,33 @@ class Session:
         mode, `full` sends every target its full bytes this time. A version label used
         before in this session, or one ordering before the latest, raises VersionError
         unless `rollback`; a call while another thread's runs raises ConcurrentCallError.
+        `pause` overrides the session's pause mode for this update (`SessionOptions.pause`); an
+        engine that lacks it raises OptionsError before anything is paused or written.
         """
         with self._calls.call("update"):
-            return self._update(version, progress, full, rollback)
+            return self._update(version, progress, full, rollback, pause)
 
     def _update(
-        self, version: str, progress: Callable[[int, int], None] | None, full: bool, rollback: bool
+        self, version: str, progress: Callable[[int, int], None] | None, full: bool, rollback: bool,
+        pause: PauseMode | Literal["keep"] | None,
     ) -> UpdateReport:
         if self._broken is not None:
             raise UpdateError(self._broken)
         conn = self._conn
         if conn is None:
             raise P2PSyncError("update before connect")
+        modes = conn.pause_modes if pause is None else pause_modes(conn.controls, pause_mode(pause))
         self._labels.check(version, rollback=rollback)
         self._labels.record(version)
-        settings = RunSettings(self.rank, self.check, self.options.transfer_timeout, self.options.lease_seconds)
+        settings = RunSettings(
+            self.rank, self.check, self.options.transfer_timeout, self.options.lease_seconds, self.options.flush_cache
+        )
         self._updates += 1
         failures = RankFailures(
             self.rendezvous if collectives.world_size() > 1 else None, self.rank,
             f"trainer/session/{self._id}/update/{self._updates}/failed",
         )
-        self._last = UpdateRun(conn, self.source, self._mode, settings, version, failures)
+        self._last = UpdateRun(conn, self.source, self._mode, settings, version, failures, modes)
         with self._heartbeat:
             try:
                 return self._last.run(progress, full)

@@ -15,8 +15,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,7 +26,9 @@ import pytest
 import torch
 
 from p2psync.adapters.fsdp2 import FSDP2Source
-from p2psync.adapters.sglang.server import http, publish_server
+from p2psync.adapters.sglang import VersionSpan, version_spans
+from p2psync.adapters.sglang.server import publish_server
+from p2psync.core.control import http_json
 from p2psync.adapters.sglang.server_plugin import ENDPOINT_ENV
 from p2psync.worlds import PROMPT, TINY_QWEN3, ModelSpec, free_port, greedy
 from p2psync.core.control import post
@@ -87,7 +91,7 @@ def sglang_server(
             if process.poll() is not None:
                 pytest.fail(f"sglang server exited with {process.returncode}:\n{(tmp_path / 'server.log').read_text()[-3000:]}")
             try:
-                http(url, ready, timeout=10)
+                http_json(url, ready, timeout=10)
                 break
             except ControlError:
                 if time.monotonic() > deadline:
@@ -102,7 +106,7 @@ def sglang_server(
 
 def generate(url: str) -> dict:
     body = {"input_ids": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
-    return http(url, "/generate", body, timeout=120)
+    return http_json(url, "/generate", body, timeout=120)
 
 
 def update_and_check(url: str, trainer: torch.nn.Module, rendezvous: Rendezvous, *, check: bool) -> None:
@@ -132,6 +136,7 @@ def test_server_with_its_own_transfer_engine_endpoint_is_updated(tmp_path):
     rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="sglang-server", is_server=True)
     with sglang_server(tmp_path, ["--remote-instance-weight-loader-start-seed-via-transfer-engine"], {}) as url:
         publish_server(url, engine_id="server", rendezvous=rendezvous, hf_config=hf_config, version="v1")
+        assert generate(url)["meta_info"]["weight_version"] == "v1"  # the declared version, named on the server
         update_and_check(url, trainer, rendezvous, check=False)
 
 
@@ -177,7 +182,7 @@ session.update("v1", progress=die)
 def generates_within(url: str, seconds: float) -> bool:
     try:
         body = {"input_ids": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
-        http(url, "/generate", body, timeout=seconds)
+        http_json(url, "/generate", body, timeout=seconds)
         return True
     except ControlError:
         return False
@@ -225,3 +230,83 @@ def test_a_trainer_killed_mid_update_leaves_the_server_paused_until_the_next_tra
         assert answer["output_ids"] == greedy(trainer)
         assert answer["meta_info"]["weight_version"] == "v2"
         assert (status()["version"], status()["serving"], status()["stale"]) == ("v2", True, None)
+
+
+#: New tokens of the request in flight across each update; the update starts once it has some.
+IN_FLIGHT_TOKENS, UPDATE_AFTER = 24, 6
+
+
+def generate_across_update(url: str, update: Callable[[], None]) -> dict:
+    """Stream a greedy generation of `IN_FLIGHT_TOKENS` from the server, run `update()` once it has
+    produced `UPDATE_AFTER` tokens, and return the last chunk (its output_ids and meta_info)."""
+    body = {
+        "input_ids": PROMPT, "stream": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": IN_FLIGHT_TOKENS, "ignore_eos": True},
+    }
+    started = threading.Event()
+    chunks: list[dict] = []
+
+    def read() -> None:
+        request = urllib.request.Request(f"{url}/generate", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=300) as answer:
+            for line in answer:
+                data = line.strip().removeprefix(b"data:").strip()
+                if not data or data == b"[DONE]":
+                    continue
+                chunks.append(json.loads(data))
+                if len(chunks[-1].get("output_ids", [])) >= UPDATE_AFTER:
+                    started.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert started.wait(120), f"the request produced no {UPDATE_AFTER} tokens: {chunks[-1:]}"
+    update()
+    reader.join(300)
+    assert not reader.is_alive() and chunks, "the request in flight never ended"
+    return chunks[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.conformance(trainer="fsdp2", engine="sglang", transport="mooncake", via="sglang server pause modes")
+def test_requests_in_flight_across_updates_complete_in_retract_and_in_place_and_abort_when_asked(tmp_path):
+    """A greedy generation is in flight as each update starts. Retract (the default): it completes,
+    its tokens before the update are the old weights' greedy continuation, those after it the new
+    weights' continuation of the prompt and the tokens so far (sglang recomputes their KV), and its
+    version spans name both versions. In place: it completes, continuing on its old KV (its
+    tokens before are the old weights'). Abort: it ends with sglang's abort reason. Each update
+    checked (digests through the plugin's endpoint)."""
+    trainer = MODEL.build(seed=1)  # what the server loads
+    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="sglang-modes", is_server=True)
+    settings = {
+        "rendezvous": f"127.0.0.1:{rendezvous.port}", "job_id": rendezvous.job_id, "engine_id": "server",
+        "version": "v1",
+    }
+    flags = ["--weight-version", "v1"]  # sglang's own name for what it loaded, as the plugin declares
+    with sglang_server(tmp_path, flags, {ENDPOINT_ENV: json.dumps(settings)}) as url:
+        with Session(source=FSDP2Source(trainer), transport="mooncake", rendezvous=rendezvous, check=True) as session:
+            session.connect(["server"])
+            for old, new, mode in (("v1", "v2", None), ("v2", "v3", "in_place"), ("v3", "v4", "abort")):
+                before = greedy(trainer, IN_FLIGHT_TOKENS)
+                with torch.no_grad():  # the next step's weights
+                    trainer.load_state_dict(MODEL.build(seed=int(new[1:])).state_dict())
+                reports = []
+                last = generate_across_update(url, lambda: reports.append(session.update(new, pause=mode)))
+                (report,) = reports
+                assert report.ok and report.engines["server"].checked, report.format()
+                assert report.engines["server"].pause == (mode or "retract")
+                out, meta = last["output_ids"], last["meta_info"]
+                if mode == "abort":
+                    assert meta["finish_reason"]["type"] == "abort", meta
+                    assert len(out) < IN_FLIGHT_TOKENS
+                    continue
+                assert meta["finish_reason"]["type"] != "abort" and len(out) == IN_FLIGHT_TOKENS, meta
+                spans = version_spans(meta)
+                assert [s.version for s in spans] == [old, new] and spans[0].start == 0, spans
+                cut = spans[0].end
+                assert spans[1] == VersionSpan(new, cut, IN_FLIGHT_TOKENS) and UPDATE_AFTER <= cut < IN_FLIGHT_TOKENS
+                assert out[:cut] == before[:cut]  # the old weights' tokens, none lost
+                if mode is None:  # retracted: the rest recomputed with the new weights
+                    assert out[cut:] == greedy(trainer, IN_FLIGHT_TOKENS - cut, prompt=[*PROMPT, *out[:cut]])
+        answer = generate(url)  # after the abort: serving the last update's weights
+        assert answer["output_ids"] == greedy(trainer) and answer["meta_info"]["weight_version"] == "v4"

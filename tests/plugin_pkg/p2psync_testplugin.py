@@ -28,6 +28,7 @@ from p2psync import (
     Layout,
     ParamGroup,
     ParamSpec,
+    PauseMode,
     Peer,
     Region,
     SenderGroup,
@@ -98,7 +99,10 @@ class InProcessControl(EngineControl):
     def check_access(self) -> None:
         """The engine lives in this process: nothing to reach."""
 
-    def pause(self, version: str, lease: float) -> None:
+    def pause_modes(self) -> tuple[PauseMode, ...]:
+        return ("wait",)  # nothing is in flight: nothing to drain
+
+    def pause(self, version: str, lease: float, mode: PauseMode, *, flush_cache: bool = True) -> None:
         """Nothing serves from these engines while the trainer runs: nothing to stop."""
 
     def finish(self, version: str) -> None:

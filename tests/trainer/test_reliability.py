@@ -192,7 +192,7 @@ def test_an_abandoned_update_marks_the_engine_stale_until_the_next_update(caplog
         control = EndpointControl(rendezvous.read_engine("e"), timeout=5, token=rendezvous.token())
         url = endpoint.url
         assert post(url, "generate", token=rendezvous.token(), timeout=5) == {"tokens": [1, 2]}
-        control.pause("v1", lease=0.5)
+        control.pause("v1", lease=0.5, mode="wait")
         with pytest.raises(ControlError, match="engine 'e' rank 0 is not serving: it is being updated to version 'v1'"):
             post(url, "generate", token=rendezvous.token(), timeout=5)
         reason = (
@@ -201,7 +201,8 @@ def test_an_abandoned_update_marks_the_engine_stale_until_the_next_update(caplog
         )
         wait_for(lambda: status(rendezvous, "e")["stale"], 5, "the stale mark")
         assert status(rendezvous, "e") == {
-            "rank": 0, "incarnation": 0, "instance": ANY, "version": "v0", "updating": "v1", "serving": False,
+            "rank": 0, "incarnation": 0, "instance": ANY, "pause_modes": ["wait", "abort"],
+            "version": "v0", "updating": "v1", "serving": False,
             "stale": reason,
         }
         assert stale == [reason]
@@ -209,10 +210,11 @@ def test_an_abandoned_update_marks_the_engine_stale_until_the_next_update(caplog
         with pytest.raises(ControlError, match=re.escape(f"engine 'e' rank 0 is not serving: {reason}")):
             post(url, "generate", token=rendezvous.token(), timeout=5)
 
-        control.pause("v2", lease=30)  # the next update
+        control.pause("v2", lease=30, mode="wait")  # the next update
         control.finish("v2")
         assert status(rendezvous, "e") == {
-            "rank": 0, "incarnation": 0, "instance": ANY, "version": "v2", "updating": None, "serving": True,
+            "rank": 0, "incarnation": 0, "instance": ANY, "pause_modes": ["wait", "abort"],
+            "version": "v2", "updating": None, "serving": True,
             "stale": None,
         }
         assert post(url, "generate", token=rendezvous.token(), timeout=5) == {"tokens": [1, 2]}
@@ -222,11 +224,11 @@ def test_an_abandoned_update_marks_the_engine_stale_until_the_next_update(caplog
 
 def test_an_engine_serves_no_weights_of_unknown_version():
     rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="fresh", is_server=True, timeout=5)
-    paused: list[bool] = []
-    hooks = EngineHooks(pause=lambda: paused.append(True), routes={"generate": lambda body: {"tokens": [3]}})
+    paused: list[str] = []
+    hooks = EngineHooks(pause=paused.append, routes={"generate": lambda body: {"tokens": [3]}})
     endpoint = serve(small_model(1), engine_id="e", rendezvous=rendezvous, transport=RecordingTransport(), hooks=hooks)
     try:
-        assert paused == [True]  # held out of serving from the start
+        assert paused == ["abort"]  # held out of serving from the start (nothing in flight)
         assert status(rendezvous, "e")["serving"] is False
         with pytest.raises(ControlError) as error:
             post(endpoint.url, "generate", token=rendezvous.token(), timeout=5)
@@ -274,7 +276,8 @@ def test_a_trainer_failing_mid_update_raises_a_p2psync_error_and_the_engine_goes
             session.connect(["a"])
             assert session.update("v3").ok
         assert status(group.rendezvous, "a") == {
-            "rank": 0, "incarnation": 0, "instance": ANY, "version": "v3", "updating": None, "serving": True,
+            "rank": 0, "incarnation": 0, "instance": ANY, "pause_modes": ["wait", "abort"],
+            "version": "v3", "updating": None, "serving": True,
             "stale": None,
         }
 
@@ -572,11 +575,11 @@ def test_the_next_update_takes_over_the_weight_update_session_an_abandoned_one_l
     message = "a weight-update session is already open; call end_weight_update() first"  # sglang 0.5.23's words
     left_open = (400, {"success": False, "message": message})
     with fake_sglang_server(left_open) as (url, calls):
-        ServerControl(url, engine_id="s", timeout=5).pause("v2", 30.0)
+        ServerControl(url, engine_id="s", timeout=5).pause("v2", 30.0, "retract")
         assert calls == ["/pause_generation", "/begin_weight_update"]
     with fake_sglang_server((400, {"success": False, "message": "out of memory"})) as (url, calls):
         with pytest.raises(ControlError, match="engine 's': /begin_weight_update at .* failed: .*out of memory"):
-            ServerControl(url, engine_id="s", timeout=5).pause("v2", 30.0)
+            ServerControl(url, engine_id="s", timeout=5).pause("v2", 30.0, "retract")
 
 
 # -- 6. clean ends ----------------------------------------------------------------------------

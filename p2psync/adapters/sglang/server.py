@@ -13,16 +13,15 @@ through `/pause_generation`, `/begin_weight_update`, `/end_weight_update`,
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ...engine.endpoint import EndpointControl
+from ...core.control import http_json
 from ...core.engine import EngineControl
 from ...core.errors import ConnectError, ControlError, RendezvousError, where
+from ...core.pause import PauseMode
 from ...core.types import Region, TargetParam, TargetTable
 from .key import layout_key, rank_spec
 
@@ -33,22 +32,6 @@ if TYPE_CHECKING:
 SERVER_CONTROL = "sglang-server"
 
 log = logging.getLogger(__name__)
-
-
-def http(url: str, path: str, body: dict[str, Any] | None = None, *, timeout: float) -> Any:
-    """GET (no body) or POST JSON to the server; the decoded JSON answer, or its text."""
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(f"{url}{path}", data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as answer:
-            text = answer.read().decode()
-    except (urllib.error.URLError, OSError) as exc:
-        detail = exc.read().decode()[:300] if isinstance(exc, urllib.error.HTTPError) else str(exc)
-        raise ControlError(f"{path} at {url} failed: {detail}") from exc
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
 
 
 def publish_server(
@@ -66,18 +49,19 @@ def publish_server(
     need not be readable here). Shapes and dtypes come from sglang's rank model
     rebuilt on meta and must agree with the element counts the server reports.
     The server serves only weights of a known version: unless `version` declares the
-    one it loaded, it is paused here until its first update. Another live server
+    one it loaded (and is then named on the server, so that its responses' version spans
+    name p2psync's versions), it is paused here until its first update. Another live server
     already published under `engine_id` is refused; a dead one is replaced.
     """
     from .shim import build_rank_model, derives_after_load, require_sglang
 
-    info = http(url, "/get_server_info", timeout=timeout)
+    info = http_json(url, "/get_server_info", timeout=timeout)
     if info.get("dtype") in (None, "auto"):
         raise ConnectError(f"{where(engine_id)}: start the server with an explicit --dtype, so its bytes are known")
     key = layout_key(info, hf_config, str(info["dtype"]), str(info.get("version")))
     tables = []
     for rank in range(int(info["tp_size"])):
-        answer = http(url, f"/remote_instance_transfer_engine_info?rank={rank}", timeout=timeout)
+        answer = http_json(url, f"/remote_instance_transfer_engine_info?rank={rank}", timeout=timeout)
         session, weights = answer["remote_instance_transfer_engine_info"]
         draft = TargetTable(engine_id, rank, int(info["tp_size"]), "sglang", key, "mooncake", {}, url, ())
         model = build_rank_model(rank_spec(draft, require_sglang()), "meta").model
@@ -94,7 +78,9 @@ def publish_server(
         )
         tables.append(_claim(rendezvous, table, timeout))
     if version is None:
-        http(url, "/pause_generation", {"mode": "abort"}, timeout=timeout)
+        http_json(url, "/pause_generation", {"mode": "abort"}, timeout=timeout)
+    else:
+        http_json(url, "/update_weight_version", {"new_version": version, "abort_all_requests": False}, timeout=timeout)
     return tables
 
 
@@ -105,7 +91,7 @@ def _claim(rendezvous: Rendezvous, table: TargetTable, timeout: float) -> Target
         return table
     if held.instance != table.instance:
         try:
-            http(held.control_url, "/health", timeout=min(timeout, 5.0))
+            http_json(held.control_url, "/health", timeout=min(timeout, 5.0))
             alive = True
         except ControlError:
             alive = False
@@ -134,32 +120,40 @@ def _param(engine_id: str, rank: int, name: str, param: Any, weights: Mapping[st
 
 
 class ServerControl(EngineControl):
-    """Control of one sglang server through its HTTP API. `pause_mode` is sglang's
-    /pause_generation mode: "abort" (default), "retract" or "in_place"."""
+    """Control of one sglang server through its HTTP API. Its pause modes are sglang's
+    /pause_generation modes, best first: "retract" (the default: nothing aborted, and the
+    requests' KV recomputed with the new weights), "in_place", "abort"."""
 
-    def __init__(self, url: str, *, engine_id: str, timeout: float, pause_mode: str = "abort") -> None:
+    MODES: tuple[PauseMode, ...] = ("retract", "in_place", "abort")
+
+    def __init__(self, url: str, *, engine_id: str, timeout: float) -> None:
         self.url = url
         self.engine_id = engine_id
         self.timeout = timeout
-        self.pause_mode = pause_mode
+        self._mode: PauseMode | None = None  # of the update in progress
+        self._flush = True
 
     def _post(self, path: str, body: dict[str, Any]) -> Any:
         try:
-            return http(self.url, path, body, timeout=self.timeout)
+            return http_json(self.url, path, body, timeout=self.timeout)
         except ControlError as exc:
             raise ControlError(f"{where(self.engine_id)}: {exc}") from exc
 
     def check_access(self) -> None:
         try:
-            http(self.url, "/health", timeout=self.timeout)
+            http_json(self.url, "/health", timeout=self.timeout)
         except ControlError as exc:
             raise ControlError(f"{where(self.engine_id)}: {exc}") from exc
 
-    def pause(self, version: str, lease: float) -> None:
-        """Pause generation and open sglang's weight-update session. A session still open
-        is one a trainer abandoned mid-update (the server stayed paused): this update
+    def pause_modes(self) -> tuple[PauseMode, ...]:
+        return self.MODES
+
+    def pause(self, version: str, lease: float, mode: PauseMode, *, flush_cache: bool = True) -> None:
+        """Pause generation in `mode` and open sglang's weight-update session. A session still
+        open is one a trainer abandoned mid-update (the server stayed paused): this update
         takes it over. The server itself holds no lease."""
-        self._post("/pause_generation", {"mode": self.pause_mode})
+        self._post("/pause_generation", {"mode": mode})
+        self._mode, self._flush = mode, flush_cache
         try:
             self._post("/begin_weight_update", {})
         except ControlError as exc:
@@ -170,10 +164,22 @@ class ServerControl(EngineControl):
             )
 
     def finish(self, version: str) -> None:
+        """End the weight-update session, flush the caches unless the pause said not to (the prefix cache holds what the old
+        weights computed), name the new version (requests in flight record where it changed:
+        their responses' version spans) and continue. A server paused "in_place" holds its
+        frozen requests and their KV, and sglang flushes nothing while it holds requests: they
+        continue on the old KV, and new requests may reuse old prefixes until the next flush."""
         self._post("/end_weight_update", {})
-        self._post("/flush_cache", {})  # the prefix cache holds what the old weights computed
+        if self._flush:
+            try:
+                self._post("/flush_cache", {})
+            except ControlError as exc:
+                if self._mode != "in_place":
+                    raise
+                log.warning("%s: caches kept (pause mode 'in_place' holds requests): %s", where(self.engine_id), exc)
         self._post("/update_weight_version", {"new_version": version, "abort_all_requests": False})
         self._post("/continue_generation", {})
+        self._mode = None
 
     def digests(self, rank: int, regions: Mapping[str, Sequence[Region]]) -> dict[str, str]:
         raise ControlError(f"{where(self.engine_id, rank)}: an sglang server reports no digests; connect with check=False")
@@ -192,9 +198,14 @@ class ServedControl(EndpointControl):
         super().check_access()
         self.server.check_access()
 
-    def pause(self, version: str, lease: float) -> list[TargetTable]:
-        moved = super().pause(version, lease)  # each rank's endpoint holds the update's lease
-        self.server.pause(version, lease)
+    def pause_modes(self) -> tuple[PauseMode, ...]:
+        return self.server.pause_modes()
+
+    def pause(self, version: str, lease: float, mode: PauseMode, *, flush_cache: bool = True) -> list[TargetTable]:
+        # each rank's endpoint holds the update's lease; none serves requests of its own ("wait"
+        # drains nothing, no cache to flush): the server pauses them in `mode` and flushes
+        moved = super().pause(version, lease, "wait", flush_cache=False)
+        self.server.pause(version, lease, mode, flush_cache=flush_cache)
         return moved
 
     def finish(self, version: str) -> None:

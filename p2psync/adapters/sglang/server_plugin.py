@@ -57,6 +57,11 @@ def _serve_rank(model: Any, server_args: Any, model_config: Any, tp_rank: int, d
     from .endpoint import serve
 
     settings = _settings()
+    declared = settings.get("version")
+    if declared is not None and getattr(server_args, "weight_version", declared) != declared:
+        log.warning("p2psync: the server names its weights %r, p2psync %r: start it with --weight-version %s so that "
+                    "responses name p2psync's versions until the first update", server_args.weight_version, declared,
+                    declared)
     host, port = settings["rendezvous"].rsplit(":", 1)
     rendezvous = Rendezvous(host=host, port=int(port), job_id=settings["job_id"])
     server_url = f"http://{server_args.host}:{server_args.port}"

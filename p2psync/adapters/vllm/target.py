@@ -35,4 +35,8 @@ class VllmEngineTarget(RankModelTarget):
         return None if config is None else EngineQuantization(config, str(table.layout_key["dtype"]))
 
     def control(self, tables: Sequence[TargetTable], *, timeout: float, token: str = "") -> EngineControl:
+        if "server_url" in tables[0].extra:  # the workers of a vLLM server: pause and resume through it
+            from .server import VllmServedControl
+
+            return VllmServedControl(tables, timeout=timeout, token=token)
         return EndpointControl(tables, timeout=timeout, token=token)

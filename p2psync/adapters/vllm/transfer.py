@@ -57,6 +57,9 @@ class P2PSyncInitInfo(WeightTransferInitInfo):
     token: str = ""
     #: Address the worker's control endpoint listens on (reachable by trainer rank 0).
     host: str = "127.0.0.1"
+    #: The vLLM API server's address ("http://host:port"), where the trainer pauses and resumes it
+    #: for each update in the session's pause mode; "" where the caller pauses the server itself.
+    server_url: str = ""
 
 
 @dataclass
@@ -86,6 +89,7 @@ class P2PSyncWeightTransferEngine(WeightTransferEngine[P2PSyncInitInfo, P2PSyncU
             self.model, self.vllm_config, rank=shim.tp_rank(), engine_id=init_info.engine_id,
             rendezvous=rendezvous, transport=init_info.transport, host=init_info.host, token=init_info.token,
             transport_options=init_info.transport_options,
+            extra={"server_url": init_info.server_url} if init_info.server_url else None,
         )
 
     def start_weight_update(self) -> None:
@@ -125,6 +129,9 @@ class P2PSyncTrainerInitInfo(TrainerInitInfo):
     token: str = ""
     #: Where each engine's workers listen for control calls.
     worker_host: str = "127.0.0.1"
+    #: Per engine id, its vLLM API server's address: the session pauses and resumes that server
+    #: itself, in its pause mode (engines not named are paused by the caller, as vLLM's flow does).
+    server_urls: dict[str, str] = field(default_factory=dict)
     #: How the trainer's session moves weights: a SessionOptions, or its fields as a mapping where the
     #: init info is built from plain data (its token and transport options are the ones above).
     options: SessionOptions | Mapping[str, Any] = field(default_factory=SessionOptions)
@@ -137,9 +144,11 @@ class EngineClients:
     def __init__(self, clients: Mapping[str, VLLMWeightSyncClient]) -> None:
         self.clients = dict(clients)
 
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+    def init_weight_transfer_engine(self, init_info: dict[str, Any], server_urls: Mapping[str, str]) -> None:
         for engine_id, client in self.clients.items():
-            client.init_weight_transfer_engine({**init_info, "engine_id": engine_id})
+            client.init_weight_transfer_engine(
+                {**init_info, "engine_id": engine_id, "server_url": server_urls.get(engine_id, "")}
+            )
 
     def start_weight_update(self) -> None:
         for client in self.clients.values():
@@ -186,7 +195,8 @@ class P2PSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[P2PSyncTrai
                     "job_id": init_info.job_id, "transport": init_info.transport,
                     "transport_options": init_info.transport_options, "token": init_info.token,
                     "host": init_info.worker_host,
-                }
+                },
+                init_info.server_urls,
             )
         rendezvous = Rendezvous(host=init_info.rendezvous_host, port=init_info.rendezvous_port, job_id=init_info.job_id)
         session = Session(
