@@ -34,8 +34,9 @@ class EngineControl(ABC):
         """Stop serving so that no request reads weights while they change, for an update
         to `version`; `mode` (one of `pause_modes()`) says what becomes of the requests in
         flight, `flush_cache` whether the update drops what the old weights computed (prefix
-        and KV caches: some engines clear them as they pause, others as they finish). Engines that hold leases mark the update abandoned (and stay out of
-        serving) unless it finishes, or is renewed, within `lease` seconds. Returns the
+        and KV caches: some engines clear them as they pause, others as they finish).
+        Engines that hold leases mark the update abandoned (and stay out of serving) unless
+        it finishes, or is renewed, within `lease` seconds. Returns the
         tables of the ranks whose transport info changed since the trainer read them (a
         rank that fenced off the writes of an update that never finished: see
         `Transport.fence`); the trainer writes to them there from now on."""

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 
 from ..core.engine import EngineControl
 from ..core.errors import ConnectError, P2PSyncError, where
-from ..core.pause import pause_mode
 from ..core.plugins import Registry
 from ..core.rendezvous import Rendezvous
 from ..core.source import TrainerSource
@@ -102,8 +101,7 @@ class Connector:
             compiled.served, compiled.patch_share, current.patch_pool if current else None, self.transport
         )
         conn.open(current, self.transport, self._control_for, self.options.transfer_timeout)
-        asked = None if self.options.pause is None else pause_mode(self.options.pause)
-        conn.pause_modes = pause_modes(conn.controls, asked)
+        conn.pause_modes = pause_modes(conn.controls, self.options.pause_mode)
         if self.rank == 0:
             check_access(conn.controls)
 

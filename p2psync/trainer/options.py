@@ -7,7 +7,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from ..core.options import parse
 from ..core.pause import PauseMode, pause_mode
@@ -105,6 +105,12 @@ class SessionOptions:
     def delta_options(self) -> DeltaOptions | None:
         """Delta mode's options, or None for full updates."""
         return self.delta if isinstance(self.delta, DeltaOptions) else None
+
+    @property
+    def pause_mode(self) -> PauseMode | None:
+        """The pause mode asked for, typed as one (`__post_init__` turned an alias such as "keep"
+        into its mode)."""
+        return cast("PauseMode | None", self.pause)
 
     @property
     def lease_seconds(self) -> float:

@@ -164,8 +164,8 @@ class ServerControl(EngineControl):
             )
 
     def finish(self, version: str) -> None:
-        """End the weight-update session, flush the caches unless the pause said not to (the prefix cache holds what the old
-        weights computed), name the new version (requests in flight record where it changed:
+        """End the weight-update session, flush the caches unless the pause said not to (the
+        prefix cache holds what the old weights computed), name the new version (requests in flight record where it changed:
         their responses' version spans) and continue. A server paused "in_place" holds its
         frozen requests and their KV, and sglang flushes nothing while it holds requests: they
         continue on the old KV, and new requests may reuse old prefixes until the next flush."""
