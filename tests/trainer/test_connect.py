@@ -19,7 +19,7 @@ from p2psync.adapters.torch.target import TorchEngineTarget  # noqa: E402
 from p2psync.core.control import post  # noqa: E402
 from p2psync.core.errors import ConnectError  # noqa: E402
 from p2psync.core.rendezvous import Rendezvous  # noqa: E402
-from p2psync.trainer.layouts import LayoutCounts  # noqa: E402
+from p2psync.trainer.layouts import LayoutCounts, forget_layouts  # noqa: E402
 from p2psync.trainer.session import Session  # noqa: E402
 from p2psync.core.types import TargetParam, TargetTable  # noqa: E402
 from p2psync.transports.mooncake.transport import MooncakeTransport  # noqa: E402
@@ -33,6 +33,7 @@ def session_for(rendezvous, model=None, **kwargs) -> Session:
 
 
 def test_engines_join_leave_and_restart_without_rebuilding_the_others(monkeypatch, engine_group):
+    forget_layouts()  # what a fresh process holds: no earlier test's layouts of these engines
     built = []
     original = TorchEngineTarget.layout
     monkeypatch.setattr(TorchEngineTarget, "layout", lambda self, t, s: built.append(t.engine_id) or original(self, t, s))
