@@ -6,7 +6,7 @@
 - `WorldOptions`, `World`, `run_world`: an engine world started once, every trainer
   kind and transport run against it, each run checked against an oracle that does not
   call the code under test (`World.round_trip` is what `RoundTripTests.round_trip` returns);
-- `ModelSpec`, `greedy`, `PROMPT`: the tiny transformers models the worlds run;
+- `ModelSpec`, `greedy`, `greedy_gaps`, `PROMPT`: the tiny transformers models the worlds run;
 - `start_engine`, `start_fsdp2`: one engine rank or FSDP2 trainer rank of a world, for
   tools that drive their own loop (the bench).
 
@@ -16,7 +16,7 @@ that need them.
 
 from .engines import engine_ids, start_engine
 from .launch import Part, free_port, join_trainer_world, launch, launch_worlds
-from .models import PROMPT, TINY_QWEN3, ModelSpec, greedy
+from .models import PROMPT, TINY_QWEN3, ModelSpec, greedy, greedy_gaps
 from .options import RunResult, WorldOptions
 from .trainers import start_fsdp2
 from .world import World, run_world
@@ -32,6 +32,7 @@ __all__ = [
     "engine_ids",
     "free_port",
     "greedy",
+    "greedy_gaps",
     "join_trainer_world",
     "launch",
     "launch_worlds",

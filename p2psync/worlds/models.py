@@ -73,6 +73,20 @@ def greedy(model: Any, tokens: int = 8, prompt: Sequence[int] = PROMPT) -> list[
     return out[0, len(prompt):].tolist()
 
 
+def greedy_gaps(model: Any, tokens: Sequence[int], prompt: Sequence[int] = PROMPT) -> list[float]:
+    """How far each of `tokens`, continuing `prompt`, falls below the best logit under `model`,
+    teacher-forced on `tokens` (all 0 for the model's own greedy continuation). An engine that
+    computes in bfloat16 may take the other of two near-tied tokens and go on from there; small
+    gaps tell that apart from tokens another model chose."""
+    import torch
+
+    with torch.no_grad():
+        ids = torch.tensor([[*prompt, *tokens]], device=next(model.parameters()).device)
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+    chosen = logits.gather(1, ids[0, len(prompt):, None])[:, 0]
+    return (logits.max(dim=1).values - chosen).tolist()
+
+
 class Trainer:
     """AdamW on random token batches for a causal LM (the same batches on every rank that
     passes the same `seed`)."""
