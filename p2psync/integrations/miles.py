@@ -36,6 +36,11 @@ The trainer source is the registered p2psync TrainerSource named by
 list, producing the HF names of the architecture that `model_name` names and
 `args.vocab_size` vocabulary rows; for single-module sources such as fsdp2 its
 one chunk), or the `source=` argument.
+
+Rollouts: the frameworks' generate functions append one version per sglang response
+(`meta_info["weight_version"]`, the last) to `Sample.weight_versions`; a response in
+flight across an update came from two or more. `record_weight_versions(sample,
+meta_info)`, called there instead, records every one and the token spans of each.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from ..adapters.sglang.versions import VersionSpan
     from ..core.report import UpdateReport
     from ..trainer.session import Session
     from ..core.source import TrainerSource
@@ -243,3 +249,19 @@ class P2PSyncWeightUpdater(P2PSyncUpdateWeight):
 
 #: slime shares the interface.
 UpdateWeightFromP2PSync = P2PSyncUpdateWeight
+
+
+def record_weight_versions(sample: Any, meta_info: Mapping[str, Any], *, offset: int = 0) -> list[VersionSpan]:
+    """Record on a miles/slime `Sample` which versions produced one sglang response of it: each
+    span's version appended to `sample.weight_versions` (the frameworks' staleness checks read
+    it), and the spans, moved by `offset` (the sample's response tokens before this response,
+    in a multi-turn rollout), appended to `sample.metadata["weight_version_spans"]` as
+    [version, start, end]."""
+    from dataclasses import replace
+
+    from ..adapters.sglang.versions import version_spans
+
+    spans = [replace(s, start=s.start + offset, end=s.end + offset) for s in version_spans(meta_info)]
+    sample.weight_versions.extend(s.version for s in spans)
+    sample.metadata.setdefault("weight_version_spans", []).extend([s.version, s.start, s.end] for s in spans)
+    return spans

@@ -36,3 +36,20 @@ def test_signatures_match_the_frameworks():
     assert list(connect) == ["self", "rollout_engines", "engine_gpu_counts", "engine_gpu_offsets"]
     with pytest.raises(NotImplementedError):
         P2PSyncWeightUpdater(Namespace(), [], is_lora=True)
+
+
+def test_a_response_across_an_update_records_both_versions_and_their_spans_on_the_sample():
+    from types import SimpleNamespace
+
+    from p2psync.integrations.miles import record_weight_versions
+
+    sample = SimpleNamespace(weight_versions=["3"], metadata={})  # a first turn, 10 tokens, from "3"
+    meta = {"weight_version": "5", "weight_versions": [{"version": "4", "start": 0, "end": 6},
+                                                       {"version": "5", "start": 6, "end": 9}]}
+    record_weight_versions(sample, meta, offset=10)
+    assert sample.weight_versions == ["3", "4", "5"]
+    assert sample.metadata["weight_version_spans"] == [["4", 10, 16], ["5", 16, 19]]
+    record_weight_versions(sample, {"weight_version": "5", "completion_tokens": 2}, offset=19)  # no spans: one version
+    assert sample.weight_versions[-1] == "5" and sample.metadata["weight_version_spans"][-1] == ["5", 19, 21]
+    with pytest.raises(ValueError, match="names no weight version"):
+        record_weight_versions(sample, {"completion_tokens": 2})

@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 
 #: `TargetTable.extra["control"]` of tables made by `publish_server`.
 SERVER_CONTROL = "sglang-server"
+#: The route that shows a server and its scheduler answer. Not `/health`: it generates a
+#: token, which a server left paused (by a failed update) never does, and the next update
+#: must still reach that server to bring it back.
+ALIVE = "/server_info"
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +95,7 @@ def _claim(rendezvous: Rendezvous, table: TargetTable, timeout: float) -> Target
         return table
     if held.instance != table.instance:
         try:
-            http_json(held.control_url, "/health", timeout=min(timeout, 5.0))
+            http_json(held.control_url, ALIVE, timeout=min(timeout, 5.0))
             alive = True
         except ControlError:
             alive = False
@@ -141,7 +145,7 @@ class ServerControl(EngineControl):
 
     def check_access(self) -> None:
         try:
-            http_json(self.url, "/health", timeout=self.timeout)
+            http_json(self.url, ALIVE, timeout=self.timeout)
         except ControlError as exc:
             raise ControlError(f"{where(self.engine_id)}: {exc}") from exc
 
