@@ -59,6 +59,11 @@ class EngineControl(ABC):
     def digests(self, rank: int, regions: Mapping[str, Sequence[Region]]) -> dict[str, str]:
         """Digest of the bytes `rank` holds in the given regions of each parameter."""
 
+    def digest_refusal(self) -> str | None:
+        """Why this engine cannot digest what it was written, or None; a session with
+        `check=True` refuses it at connect, before anything is written."""
+        return None
+
     def held(self) -> dict[int, tuple[str | None, str | None]]:
         """Per rank, the version it holds and why its weights may no longer be what that
         version's update left (written outside p2psync: a load route, a hook that rewrote

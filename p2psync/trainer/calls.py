@@ -20,7 +20,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 from ..core.delta import PatchRecord
 from ..core.engine import EngineControl
-from ..core.errors import ConnectError, ControlError
+from ..core.errors import ConnectError, ControlError, where
 from ..core.pause import PauseMode, choose
 from ..core.types import Region, TargetTable
 from .delta_send import Held
@@ -41,6 +41,13 @@ def pause_modes(controls: Mapping[str, EngineControl], asked: PauseMode | None) 
     """The mode each engine pauses in when `asked` (None: each its first that aborts nothing);
     OptionsError naming an engine that lacks the mode asked, and the modes it has."""
     return {engine: choose(asked, control.pause_modes(), engine) for engine, control in controls.items()}
+
+
+def refuse_unchecked(controls: Mapping[str, EngineControl]) -> None:
+    """For `check=True`: ConnectError naming every engine that cannot digest what it was written."""
+    refused = [f"{where(engine)}: {why}" for engine, control in controls.items() if (why := control.digest_refusal())]
+    if refused:
+        raise ConnectError("check=True: " + "; ".join(refused))
 
 
 class UpdateCalls:

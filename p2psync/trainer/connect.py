@@ -20,7 +20,7 @@ from ..core.transport import Transport
 from ..core.types import ParamSpec, TargetTable
 from . import collectives
 from .buffers import BufferPool
-from .calls import check_access, pause_modes
+from .calls import check_access, pause_modes, refuse_unchecked
 from .compiler import HeldRanges, SenderView, compile_connection
 from .connection import Connection
 from .layouts import LayoutCache
@@ -102,6 +102,8 @@ class Connector:
         )
         conn.open(current, self.transport, self._control_for, self.options.transfer_timeout)
         conn.pause_modes = pause_modes(conn.controls, self.options.pause_mode)
+        if self.options.check:
+            refuse_unchecked(conn.controls)
         if self.rank == 0:
             check_access(conn.controls)
 

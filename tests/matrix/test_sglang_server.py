@@ -34,7 +34,7 @@ from p2psync.core.control import http_json
 from p2psync.adapters.sglang.server_plugin import ENDPOINT_ENV
 from p2psync.worlds import PROMPT, TINY_QWEN3, ModelSpec, free_port, greedy, greedy_gaps
 from p2psync.core.control import post
-from p2psync.core.errors import ControlError
+from p2psync.core.errors import ConnectError, ControlError
 from p2psync.core.rendezvous import Rendezvous
 from p2psync.integrations.miles import record_weight_versions
 from p2psync.trainer.session import Session
@@ -161,6 +161,10 @@ def test_server_with_its_own_transfer_engine_endpoint_is_updated(tmp_path):
     with sglang_server(tmp_path, ["--remote-instance-weight-loader-start-seed-via-transfer-engine"], {}) as url:
         publish_server(url, engine_id="server", rendezvous=rendezvous, hf_config=hf_config, version="v1")
         assert generate(url)["meta_info"]["weight_version"] == "v1"  # the declared version, named on the server
+        with Session(source=FSDP2Source(trainer), transport="mooncake", rendezvous=rendezvous, check=True) as session:
+            with pytest.raises(ConnectError, match="check=True: engine 'server': .*serve it with p2psync's sglang plugin"):
+                session.connect(["server"])  # its digests cannot be asked for: refused before anything is written
+        assert generate(url)["meta_info"]["weight_version"] == "v1"  # untouched, still serving
         update_and_check(url, trainer, rendezvous, check=False)
 
 

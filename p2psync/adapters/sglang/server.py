@@ -185,8 +185,17 @@ class ServerControl(EngineControl):
         self._post("/continue_generation", {})
         self._mode = None
 
+    def digest_refusal(self) -> str:
+        """sglang's `/weights_checker` hashes whole tensors (sha256 on CPU, a triton hash on
+        GPU), not the regions of them a trainer rank wrote; p2psync's endpoint inside the
+        server (its plugin) digests exactly those."""
+        return (
+            "a server published with publish_server reports no digests of what was written; serve it"
+            " with p2psync's sglang plugin for check=True, or connect with check=False"
+        )
+
     def digests(self, rank: int, regions: Mapping[str, Sequence[Region]]) -> dict[str, str]:
-        raise ControlError(f"{where(self.engine_id, rank)}: an sglang server reports no digests; connect with check=False")
+        raise ControlError(f"{where(self.engine_id, rank)}: {self.digest_refusal()}")
 
 
 class ServedControl(EndpointControl):
