@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from .types import ParamSpec, SenderGroup
+from .types import ParamSpec, SenderGroup, TargetTable
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +60,12 @@ class TrainerSource(ABC):
         that each rank writes its own part. Tensors left out are gathered. Not a collective;
         called at connect (the ranges) and at every update (the data). None by default."""
         return {}
+
+    def check_table(self, table: TargetTable) -> None:
+        """Raise ConnectError, naming the engine rank and why, where this source cannot update
+        what `table` publishes beyond its parameters' names, shapes and dtypes (which connect
+        checks itself): a LoRA adapter of another rank or alpha, say. At connect, on every
+        rank alike, before anything is written. Every table passes by default."""
 
     def bucket_kind(self, name: str) -> str:
         """Tensors of different kinds never share a bucket (Megatron gathers experts over

@@ -136,3 +136,4 @@ class Connector:
             raise ConnectError(
                 f"{where(table.engine_id, table.rank)} joined job {table.job_id!r}, not {self.rendezvous.job_id!r}"
             )
+        self.source.check_table(table)

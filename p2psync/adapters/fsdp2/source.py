@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ...core.gloo import all_gather_by_broadcasts, is_gloo
 from ...core.source import LocalShard, TrainerSource
@@ -32,16 +32,18 @@ def hf_name(name: str) -> str:
 class FSDP2Source(TrainerSource):
     """An FSDP2-sharded module. `name_map` renames parameters whose names differ
     from the HF checkpoint's (after wrapper prefixes are stripped); a mapping or
-    a function."""
+    a function. `select` keeps only the parameters whose name (wrappers stripped, not
+    yet renamed) it accepts: a LoRA adapter's tensors, say."""
 
     name = "fsdp2"
-    requires = ("torch.distributed.fsdp",)
+    requires: ClassVar[tuple[str, ...]] = ("torch.distributed.fsdp",)
 
     def __init__(
         self,
         module: torch.nn.Module,
         *,
         name_map: Callable[[str], str] | Mapping[str, str] | None = None,
+        select: Callable[[str], bool] | None = None,
         process_group: Any = None,
     ) -> None:
         import torch.distributed as dist
@@ -50,6 +52,8 @@ class FSDP2Source(TrainerSource):
         self._params: dict[str, torch.nn.Parameter] = {}
         for name, param in module.named_parameters():
             hf = hf_name(name)
+            if select is not None and not select(hf):
+                continue
             if rename is not None:
                 hf = rename(hf) or hf
             if hf in self._params:

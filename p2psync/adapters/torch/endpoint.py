@@ -26,6 +26,7 @@ def serve(
     rank: int = 0,
     world_size: int = 1,
     name_map: Callable[[str], str] | Mapping[str, str] | None = None,
+    select: Callable[[str], bool] | None = None,
     **options: Unpack[EndpointOptions],
 ) -> EngineEndpoint:
     """Register `module`'s parameters, publish its table and serve control calls.
@@ -38,10 +39,11 @@ def serve(
     p2psync (the next delta update sends them in full). Parameters are published under their HF names: `name_map` turns a module
     parameter name into one (a mapping or a function; identity by default). The
     layout key is a digest of every name, shape and dtype, so engines built from
-    the same model class and config share one layout.
+    the same model class and config share one layout. `select` publishes only the
+    parameters whose module name it accepts (a LoRA adapter's, say).
     """
     rename = name_map.__getitem__ if isinstance(name_map, Mapping) else (name_map or (lambda n: n))
-    params = {rename(name): p.data for name, p in module.named_parameters()}
+    params = {rename(name): p.data for name, p in module.named_parameters() if select is None or select(name)}
     fingerprint = hashlib.sha256(
         repr(sorted((n, tuple(t.shape), str(t.dtype)) for n, t in params.items())).encode()
     ).hexdigest()[:16]

@@ -1,0 +1,119 @@
+"""One LoRA adapter of a PEFT model, as a trainer source and as an engine's adapter slot.
+
+An adapter travels as PEFT saves it (`get_peft_model_state_dict`): its tensors named
+without the adapter's name (`...q_proj.lora_A.weight`), which is what every engine's
+adapter loader reads. Each adapter slot of an engine is an engine id of its own, so that
+it has its own version and lease, and an update of one adapter pauses only the requests
+routed to that adapter's endpoint. The trainer refuses at connect a slot whose rank,
+alpha, target modules or variant differ from its adapter's: alpha and the variant are no
+tensor, and a wrong one would scale every update silently.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ...core.errors import ConnectError, where
+from ...core.types import TargetTable
+from ..fsdp2.source import FSDP2Source
+from ..torch.endpoint import serve
+
+if TYPE_CHECKING:
+    from typing import Unpack
+
+    import torch
+
+    from ...core.rendezvous import Rendezvous
+    from ...core.transport import Transport
+    from ...engine.endpoint import EngineEndpoint
+    from ...engine.hooks import EndpointOptions
+
+#: The table extra an adapter slot publishes its `lora_config` under.
+LORA_KEY = "lora"
+#: The settings of a PEFT LoraConfig that decide what an adapter's tensors mean.
+CONFIG_FIELDS = ("r", "lora_alpha", "target_modules", "use_rslora", "use_dora")
+
+
+def _pattern(adapter: str) -> re.Pattern[str]:
+    return re.compile(rf"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.{re.escape(adapter)}(?=\.|$)")
+
+
+def lora_params(adapter: str) -> Callable[[str], bool]:
+    """Whether a PEFT model's parameter name is one of `adapter`'s tensors."""
+    pattern = _pattern(adapter)
+    return lambda name: pattern.search(name) is not None
+
+
+def checkpoint_name(adapter: str) -> Callable[[str], str]:
+    """A parameter name of `adapter` as PEFT's adapter checkpoint names it (without the adapter)."""
+    pattern = _pattern(adapter)
+    return lambda name: pattern.sub(r".\1", name, count=1)
+
+
+def lora_config(model: torch.nn.Module, adapter: str) -> dict[str, Any]:
+    """The settings of `adapter` (a PEFT model's `peft_config`) that its tensors' meaning rests on."""
+    configs = getattr(model, "peft_config", None)
+    if not configs or adapter not in configs:
+        have = sorted(configs) if configs else []
+        raise ValueError(f"the model has no LoRA adapter {adapter!r} (its adapters: {have})")
+    config = configs[adapter]
+    modules = config.target_modules
+    out = {field: getattr(config, field, None) for field in CONFIG_FIELDS}
+    out["target_modules"] = sorted(modules) if isinstance(modules, (set, list, tuple)) else modules
+    return out
+
+
+class LoraSource(FSDP2Source):
+    """One LoRA adapter of a PEFT model (FSDP2-sharded or whole): its A and B tensors under
+    PEFT's checkpoint names; the base weights are not sent."""
+
+    name = "peft-lora"
+    requires = ("peft", "torch.distributed.fsdp")
+
+    def __init__(self, module: torch.nn.Module, *, adapter: str = "default", process_group: Any = None) -> None:
+        self.adapter = adapter
+        self.config = lora_config(module, adapter)
+        super().__init__(module, name_map=checkpoint_name(adapter), select=lora_params(adapter),
+                         process_group=process_group)
+        if not self._params:
+            raise ValueError(f"LoRA adapter {adapter!r} has no parameters")
+
+    def check_table(self, table: TargetTable) -> None:
+        slot = table.extra.get(LORA_KEY)
+        if slot is None:
+            raise ConnectError(
+                f"{where(table.engine_id, table.rank)} publishes no LoRA adapter slot; LoRA adapter "
+                f"{self.adapter!r} updates only adapter slots (serve_lora)"
+            )
+        differ = [f"{field} {slot.get(field)!r} there, {self.config[field]!r} here"
+                  for field in CONFIG_FIELDS if slot.get(field) != self.config[field]]
+        if differ:
+            raise ConnectError(
+                f"{where(table.engine_id, table.rank)}: its LoRA adapter slot {slot.get('adapter')!r} does not "
+                f"match the trainer's adapter {self.adapter!r}: {'; '.join(differ)}"
+            )
+
+
+def serve_lora(
+    model: torch.nn.Module,
+    *,
+    adapter: str,
+    engine_id: str,
+    rendezvous: Rendezvous,
+    transport: Transport | str,
+    rank: int = 0,
+    world_size: int = 1,
+    **options: Unpack[EndpointOptions],
+) -> EngineEndpoint:
+    """Serve `adapter` of a PEFT model as engine `engine_id`: its tensors (registered where the
+    model keeps them) under PEFT's checkpoint names, its settings in the table for the
+    trainer to check. One call per adapter slot; `options` as the torch engine's `serve`
+    (`hooks.routes`: the requests that use this adapter, the only ones its updates pause)."""
+    slot = {"adapter": adapter, **lora_config(model, adapter)}
+    options["extra"] = {**(options.get("extra") or {}), LORA_KEY: slot}
+    return serve(
+        model, engine_id=engine_id, rendezvous=rendezvous, transport=transport, rank=rank, world_size=world_size,
+        name_map=checkpoint_name(adapter), select=lora_params(adapter), **options,
+    )

@@ -1,0 +1,81 @@
+"""A torch engine serving LoRA adapter slots of one PEFT model (a tiny Qwen3 with random base
+weights), each slot an engine id of its own, for the LoRA tests; and how both sides build it."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from p2psync.worlds import ModelSpec, greedy
+
+#: Every adapter of these tests: LoRA on the attention's q and v projections.
+TARGETS = ["q_proj", "v_proj"]
+BASE_SEED = 1
+
+
+def with_adapters(adapters: dict[str, dict[str, Any]]) -> Any:
+    """The base model with a LoRA adapter per entry ({name: {"seed", "r", "lora_alpha"}}), each
+    initialized at random (A and B both nonzero), in order."""
+    from peft import LoraConfig, get_peft_model
+
+    model = None
+    for name, spec in adapters.items():
+        torch.manual_seed(spec["seed"])
+        config = LoraConfig(r=spec.get("r", 4), lora_alpha=spec.get("lora_alpha", 8), target_modules=TARGETS,
+                            lora_dropout=0.0, init_lora_weights=False)
+        if model is None:
+            model = get_peft_model(ModelSpec().build(seed=BASE_SEED), config, adapter_name=name)
+        else:
+            model.add_adapter(name, config)
+    return model.eval()
+
+
+def adapter_state(model: Any, adapter: str) -> dict[str, torch.Tensor]:
+    """`adapter`'s tensors as PEFT saves them."""
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model, adapter_name=adapter)
+
+
+def generate_with(model: Any, adapter: str) -> list[int]:
+    model.set_adapter(adapter)
+    return greedy(model)
+
+
+def lora_engine_process(
+    port: int, job_id: str, transport: str, adapters: dict[str, dict[str, Any]], stop: Any
+) -> None:
+    """Serve every adapter of `with_adapters(adapters)` as engine `lora/<adapter>` until `stop`
+    is set. Each slot's routes: `state` (its tensors as PEFT saves them, hex) and `generate`
+    (greedy with that adapter active)."""
+    from p2psync.adapters.peft import serve_lora
+    from p2psync.core.logs import configure
+    from p2psync.core.rendezvous import Rendezvous
+    from p2psync.engine.endpoint import EngineHooks
+
+    configure("lora engine")
+    torch.set_num_threads(1)
+    model = with_adapters(adapters)
+    rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id=job_id)
+    one_at_a_time = threading.Lock()  # PEFT's active adapter is the model's
+
+    def routes(adapter: str) -> dict[str, Any]:
+        def state(body: dict[str, Any]) -> dict[str, str]:
+            return {n: t.reshape(-1).view(torch.uint8).numpy().tobytes().hex() for n, t in adapter_state(model, adapter).items()}
+
+        def generate(body: dict[str, Any]) -> dict[str, list[int]]:
+            with one_at_a_time, torch.no_grad():
+                return {"tokens": generate_with(model, adapter)}
+
+        return {"state": state, "generate": generate}
+
+    endpoints = [
+        serve_lora(model, adapter=adapter, engine_id=f"lora/{adapter}", rendezvous=rendezvous, transport=transport,
+                   hooks=EngineHooks(routes=routes(adapter)), version="initial")
+        for adapter in adapters
+    ]
+    stop.wait()
+    for endpoint in endpoints:
+        endpoint.close()
