@@ -15,16 +15,23 @@ TARGETS = ["q_proj", "v_proj"]
 BASE_SEED = 1
 
 
+def config_of(spec: dict[str, Any]) -> Any:
+    """The PEFT LoraConfig of one adapter spec ({"r", "lora_alpha"}; random A and B)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=spec.get("r", 4), lora_alpha=spec.get("lora_alpha", 8), target_modules=TARGETS,
+                      lora_dropout=0.0, init_lora_weights=False)
+
+
 def with_adapters(adapters: dict[str, dict[str, Any]]) -> Any:
     """The base model with a LoRA adapter per entry ({name: {"seed", "r", "lora_alpha"}}), each
     initialized at random (A and B both nonzero), in order."""
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
     model = None
     for name, spec in adapters.items():
         torch.manual_seed(spec["seed"])
-        config = LoraConfig(r=spec.get("r", 4), lora_alpha=spec.get("lora_alpha", 8), target_modules=TARGETS,
-                            lora_dropout=0.0, init_lora_weights=False)
+        config = config_of(spec)
         if model is None:
             model = get_peft_model(ModelSpec().build(seed=BASE_SEED), config, adapter_name=name)
         else:
@@ -45,12 +52,16 @@ def generate_with(model: Any, adapter: str) -> list[int]:
 
 
 def lora_engine_process(
-    port: int, job_id: str, transport: str, adapters: dict[str, dict[str, Any]], stop: Any
+    port: int, job_id: str, transport: str, adapters: dict[str, dict[str, Any]], stop: Any, commands: Any = None,
+    answers: Any = None,
 ) -> None:
     """Serve every adapter of `with_adapters(adapters)` as engine `lora/<adapter>` until `stop`
     is set. Each slot's routes: `state` (its tensors as PEFT saves them, hex) and `generate`
-    (greedy with that adapter active)."""
-    from p2psync.adapters.peft import serve_lora
+    (greedy with that adapter active). `commands` may ask ("load", name, spec) or ("unload",
+    name) while it serves; each is answered on `answers` with the adapters the model then has."""
+    import queue
+
+    from p2psync.adapters.peft import AdapterSlots
     from p2psync.core.logs import configure
     from p2psync.core.rendezvous import Rendezvous
     from p2psync.engine.endpoint import EngineHooks
@@ -58,10 +69,11 @@ def lora_engine_process(
     configure("lora engine")
     torch.set_num_threads(1)
     model = with_adapters(adapters)
-    rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id=job_id)
+    slots = AdapterSlots(model, rendezvous=Rendezvous(host="127.0.0.1", port=port, job_id=job_id),
+                         transport=transport, prefix="lora/")
     one_at_a_time = threading.Lock()  # PEFT's active adapter is the model's
 
-    def routes(adapter: str) -> dict[str, Any]:
+    def hooks(adapter: str) -> EngineHooks:
         def state(body: dict[str, Any]) -> dict[str, str]:
             return {n: t.reshape(-1).view(torch.uint8).numpy().tobytes().hex() for n, t in adapter_state(model, adapter).items()}
 
@@ -69,13 +81,21 @@ def lora_engine_process(
             with one_at_a_time, torch.no_grad():
                 return {"tokens": generate_with(model, adapter)}
 
-        return {"state": state, "generate": generate}
+        return EngineHooks(routes={"state": state, "generate": generate})
 
-    endpoints = [
-        serve_lora(model, adapter=adapter, engine_id=f"lora/{adapter}", rendezvous=rendezvous, transport=transport,
-                   hooks=EngineHooks(routes=routes(adapter)), version="initial")
-        for adapter in adapters
-    ]
+    for adapter in adapters:
+        slots.serve(adapter, hooks=hooks(adapter), version="initial")
+    while commands is not None and not stop.is_set():
+        try:
+            command, name, *spec = commands.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        with one_at_a_time:
+            if command == "load":
+                torch.manual_seed(spec[0]["seed"])
+                slots.load(name, config_of(spec[0]), hooks=hooks(name))
+            else:
+                slots.unload(name)
+        answers.put(sorted(model.peft_config))
     stop.wait()
-    for endpoint in endpoints:
-        endpoint.close()
+    slots.close()

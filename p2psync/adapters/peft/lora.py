@@ -117,3 +117,45 @@ def serve_lora(
         model, engine_id=engine_id, rendezvous=rendezvous, transport=transport, rank=rank, world_size=world_size,
         name_map=checkpoint_name(adapter), select=lora_params(adapter), **options,
     )
+
+
+class AdapterSlots:
+    """The adapter slots of one PEFT model on one engine rank, loaded and unloaded while it
+    serves: slot `adapter` is engine id `prefix + adapter` (`serve_lora`), each over a
+    transport of its own (`transport`, a registered name: closing a slot closes its own)."""
+
+    def __init__(
+        self, model: Any, *, rendezvous: Rendezvous, transport: str, prefix: str = "", rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        self.model, self.rendezvous, self.transport, self.prefix = model, rendezvous, transport, prefix
+        self.rank, self.world_size = rank, world_size
+        self.endpoints: dict[str, EngineEndpoint] = {}
+
+    def serve(self, adapter: str, **options: Unpack[EndpointOptions]) -> EngineEndpoint:
+        """Serve an adapter the model already has (`options` as `serve_lora`'s)."""
+        if adapter in self.endpoints:
+            raise ValueError(f"adapter {adapter!r} is served already, as {self.endpoints[adapter].engine_id!r}")
+        self.endpoints[adapter] = serve_lora(
+            self.model, adapter=adapter, engine_id=self.prefix + adapter, rendezvous=self.rendezvous,
+            transport=self.transport, rank=self.rank, world_size=self.world_size, **options,
+        )
+        return self.endpoints[adapter]
+
+    def load(self, adapter: str, config: Any, **options: Unpack[EndpointOptions]) -> EngineEndpoint:
+        """Add a new adapter (a PEFT `LoraConfig`) to the model and serve it. It holds PEFT's
+        initial weights, of no known version unless `options` declare one: out of serving
+        until its first update lands."""
+        self.model.add_adapter(adapter, config)
+        return self.serve(adapter, **options)
+
+    def unload(self, adapter: str) -> None:
+        """Withdraw the slot, then delete the adapter from the model. Unload between updates:
+        the slot's memory is unregistered first, so the writes of an update in flight fail."""
+        self.endpoints.pop(adapter).close()
+        self.model.delete_adapter(adapter)
+
+    def close(self) -> None:
+        for endpoint in self.endpoints.values():
+            endpoint.close()
+        self.endpoints.clear()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing as mp
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
@@ -20,13 +21,16 @@ from p2psync.adapters.peft import LoraSource  # noqa: E402
 from p2psync.core.control import post  # noqa: E402
 from tests.helpers.engines import RecordingTransport  # noqa: E402
 from tests.helpers.matrix import TRANSPORTS, usable  # noqa: E402
-from tests.helpers.peft_engine import adapter_state, generate_with, lora_engine_process, with_adapters  # noqa: E402
+from tests.helpers.peft_engine import (  # noqa: E402
+    adapter_state, config_of, generate_with, lora_engine_process, with_adapters,
+)
 
 #: The engine's slots: "a" and "b" as the trainer's adapters are set, "wide" of another rank,
 #: "loud" of another alpha.
 SLOTS = {"a": {"seed": 11}, "b": {"seed": 12}, "wide": {"seed": 13, "r": 8}, "loud": {"seed": 14, "lora_alpha": 16}}
 #: The trainer's two adapters (other random values than any slot holds).
 TRAINER = {"default": {"seed": 21}, "other": {"seed": 22}}
+CONTEXT = mp.get_context("spawn")
 
 
 def test_the_source_sends_exactly_the_adapters_tensors_under_peft_checkpoint_names():
@@ -62,11 +66,11 @@ def test_an_adapter_slot_publishes_only_its_tensors_where_the_model_keeps_them()
 
 
 @contextmanager
-def lora_engine(transport: str) -> Iterator[Rendezvous]:
+def lora_engine(transport: str, commands: Any = None, answers: Any = None) -> Iterator[Rendezvous]:
     rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="lora", is_server=True, timeout=60)
-    ctx = mp.get_context("spawn")
-    stop = ctx.Event()
-    proc = ctx.Process(target=lora_engine_process, args=(rendezvous.port, "lora", transport, SLOTS, stop), daemon=True)
+    stop = CONTEXT.Event()
+    proc = CONTEXT.Process(target=lora_engine_process, daemon=True,
+                           args=(rendezvous.port, "lora", transport, SLOTS, stop, commands, answers))
     proc.start()
     try:
         for slot in SLOTS:
@@ -197,11 +201,10 @@ def test_two_fsdp2_ranks_send_their_own_shards_of_an_adapter_then_deltas_bit_exa
             for name, p in trainer.named_parameters():
                 if ".default." in name:
                     p.mul_(1.5)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    out = CONTEXT.Queue()
     with lora_engine("mooncake") as rendezvous:
         port = free_port()
-        procs = [ctx.Process(target=_fsdp2_rank, args=(r, port, rendezvous.port, out)) for r in range(2)]
+        procs = [CONTEXT.Process(target=_fsdp2_rank, args=(r, port, rendezvous.port, out)) for r in range(2)]
         for p in procs:
             p.start()
         results = dict((rank, (reports, held)) for rank, reports, held in (out.get(timeout=300) for _ in procs))
@@ -213,3 +216,27 @@ def test_two_fsdp2_ranks_send_their_own_shards_of_an_adapter_then_deltas_bit_exa
         assert (delta1, delta2) == ([], [0]), text2
         assert free1 > 0 and gathered1 == 0, text1  # each rank sent its own rows, nothing gathered
     assert results[0][1] == wanted
+
+
+def test_a_slot_loaded_while_the_engine_serves_is_updated_then_unloaded_and_refused():
+    from p2psync.core.errors import RendezvousError
+
+    usable("transports", "mooncake")
+    trainer = with_adapters(TRAINER)
+    reference = with_adapters(SLOTS)
+    commands, answers = CONTEXT.Queue(), CONTEXT.Queue()
+    with lora_engine("mooncake", commands, answers) as rendezvous:
+        commands.put(("load", "new", {"seed": 15}))
+        assert answers.get(timeout=60) == sorted([*SLOTS, "new"])
+        assert call(rendezvous, "new", "info")["serving"] is False  # PEFT's initial weights: no version yet
+        with Session(source=LoraSource(trainer), transport="mooncake", rendezvous=rendezvous, check=True) as session:
+            session.connect(["lora/new"])
+            assert session.update("new-1").ok
+            reference.add_adapter("new", config_of({}))
+            peft.set_peft_model_state_dict(reference, adapter_state(trainer, "default"), adapter_name="new")
+            assert held_bytes(rendezvous, "new") == hex_of(adapter_state(reference, "new"))
+            assert call(rendezvous, "new", "generate")["tokens"] == generate_with(reference, "new")
+        commands.put(("unload", "new"))
+        assert answers.get(timeout=60) == sorted(SLOTS)
+        with pytest.raises(RendezvousError, match="lora/new"):  # its table withdrawn: no trainer finds it
+            rendezvous.read_engine("lora/new", timeout=2)
