@@ -63,7 +63,7 @@ def _demo(args: argparse.Namespace) -> int:
 _CONNECT_ONLY = (
     "arch", "layers", "experts", "hidden", "vocab", "engine_ep", "all_ranks", "max_rss_gb", "point_timeout",
 )
-_NOT_CONNECT = ("size", "ways", "engine_dtype", "delta", "trainer")
+_NOT_CONNECT = ("size", "ways", "engine_dtype", "delta", "lora", "trainer")
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -97,6 +97,15 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
     if args.gather is not None:
         opts.session = SessionOptions.of(opts.session, gather=args.gather)
+    if args.lora:
+        other = [flag for flag, given in (("--delta", args.delta), ("--cluster", topology), ("--ways", args.ways),
+                                          ("--engine", args.engine != "torch")) if given]
+        if other:
+            print(f"p2psync bench: --lora runs alone, on a torch engine ({', '.join(other)} given)", file=sys.stderr)
+            return 2
+        from .bench.lora import format_lora, run_lora_bench
+
+        return _run_bench(args, lambda: run_lora_bench(opts), format_lora, "lora", lambda r: r["verified"])
     if args.delta:
         from .bench.delta import format_delta, run_delta_bench
 
@@ -223,6 +232,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--delta", action="store_true",
                        help="delta updates against full ones and the broadcast, the trainer taking AdamW steps "
                        "(torch engines)")
+    bench.add_argument("--lora", action="store_true",
+                       help="a LoRA adapter's update (rank 16 on every linear projection) against the full update "
+                       "of the same model: bytes per engine rank and time (one trainer rank, one torch engine; "
+                       "needs p2psync[lora])")
     bench.add_argument("--gather", choices=["always", "auto"],
                        help="--delta: how the delta session sends (default auto, the session's default: gather-free, "
                        "each rank's deltas of its own shards; always: gathered; the full update and the broadcast "
