@@ -1,8 +1,8 @@
 """One LoRA adapter of a PEFT model, as a trainer source and as an engine's adapter slot.
 
 An adapter travels as PEFT saves it (`get_peft_model_state_dict`): its tensors named
-without the adapter's name (`...q_proj.lora_A.weight`), which is what every engine's
-adapter loader reads. Each adapter slot of an engine is an engine id of its own, so that
+without the adapter's name (`...q_proj.lora_A.weight`), as adapter checkpoints hold them
+and engines' adapter loaders read them. Each adapter slot of an engine is an engine id of its own, so that
 it has its own version and lease, and an update of one adapter pauses only the requests
 routed to that adapter's endpoint. The trainer refuses at connect a slot whose rank,
 alpha, target modules or variant differ from its adapter's: alpha and the variant are no
