@@ -291,8 +291,9 @@ class EngineEndpoint:
         flight, then the engine's own pause. A drain longer than `drain_seconds` (the trainer's
         call would time out) refuses the pause: the engine stays out of serving, the update
         goes on without it, and its lease runs out."""
-        if mode == "abort":
-            self._abort_calls_in_flight()
+        if mode == "abort":  # the calls in flight see it as they end
+            self._aborts += 1
+            self._abort_reason = self.state.why_not_serving()
         elif mode == "wait":
             deadline = time.monotonic() + drain_seconds
             while self._in_flight and time.monotonic() < deadline:
@@ -301,10 +302,6 @@ class EngineEndpoint:
                 raise Refused(f"{self.where}: {self._in_flight} request(s) still in flight after {drain_seconds:g} s "
                               "of draining (pause mode 'wait')")
         self.hooks.pause(mode)
-
-    def _abort_calls_in_flight(self) -> None:
-        self._aborts += 1
-        self._abort_reason = self.state.why_not_serving()
 
     def _held(self, body: dict[str, Any]) -> dict[str, Any]:
         altered = self.held.altered()
@@ -352,8 +349,7 @@ class EngineEndpoint:
             was_serving = self.state.retire(reason)
             self._changed.notify_all()
             if was_serving:
-                self._abort_calls_in_flight()
-                self.hooks.pause("abort")
+                self._stop_serving("abort", drain_seconds=0.0)
         log.error("%s: %s; not serving any more", self.where, reason)
         self.hooks.on_stale(reason)
         return {}

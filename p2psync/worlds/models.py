@@ -60,17 +60,17 @@ class ModelSpec:
         return model
 
 
-def greedy(model: Any, tokens: int = 8, prompt: Sequence[int] = PROMPT) -> list[int]:
-    """Greedy continuation of `prompt` (collective where the model is sharded)."""
+def greedy(model: Any, tokens: int = 8) -> list[int]:
+    """Greedy continuation of `PROMPT` (collective where the model is sharded)."""
     import torch
 
     with torch.no_grad():
-        ids = torch.tensor([list(prompt)], device=next(model.parameters()).device)
+        ids = torch.tensor([PROMPT], device=next(model.parameters()).device)
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
             do_sample=False, pad_token_id=0, eos_token_id=None,
         )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(PROMPT):].tolist()
 
 
 def greedy_gaps(model: Any, tokens: Sequence[int], prompt: Sequence[int] = PROMPT) -> list[float]:
