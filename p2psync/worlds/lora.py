@@ -24,12 +24,12 @@ def with_adapter(config: dict[str, Any], *, seed: int, rank: int) -> Any:
     return get_peft_model(model, lora).eval()
 
 
-def adapter_bytes(model: Any) -> dict[str, str]:
-    """Adapter "default" of a PEFT model as PEFT saves it: each tensor's bytes, hex."""
+def adapter_bytes(model: Any, adapter: str = "default") -> dict[str, str]:
+    """`adapter` of a PEFT model as PEFT saves it: each tensor's bytes, hex."""
     import torch
     from peft import get_peft_model_state_dict
 
-    state = get_peft_model_state_dict(model)
+    state = get_peft_model_state_dict(model, adapter_name=adapter)
     return {n: t.reshape(-1).view(torch.uint8).numpy().tobytes().hex() for n, t in state.items()}
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from p2psync.worlds import ModelSpec, greedy
+from p2psync.worlds.lora import adapter_bytes
 
 #: Every adapter of these tests: LoRA on the attention's q and v projections.
 TARGETS = ["q_proj", "v_proj"]
@@ -75,7 +76,7 @@ def lora_engine_process(
 
     def hooks(adapter: str) -> EngineHooks:
         def state(body: dict[str, Any]) -> dict[str, str]:
-            return {n: t.reshape(-1).view(torch.uint8).numpy().tobytes().hex() for n, t in adapter_state(model, adapter).items()}
+            return adapter_bytes(model, adapter)
 
         def generate(body: dict[str, Any]) -> dict[str, list[int]]:
             with one_at_a_time, torch.no_grad():

@@ -19,6 +19,7 @@ import torch  # noqa: E402
 from p2psync import ConnectError, Rendezvous, Session  # noqa: E402
 from p2psync.adapters.peft import LoraSource  # noqa: E402
 from p2psync.core.control import post  # noqa: E402
+from p2psync.worlds.lora import adapter_bytes  # noqa: E402
 from tests.helpers.engines import RecordingTransport  # noqa: E402
 from tests.helpers.matrix import TRANSPORTS, usable  # noqa: E402
 from tests.helpers.peft_engine import (  # noqa: E402
@@ -92,10 +93,6 @@ def held_bytes(rendezvous: Rendezvous, slot: str) -> dict[str, str]:
     return call(rendezvous, slot, "state")
 
 
-def hex_of(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {n: t.reshape(-1).view(torch.uint8).numpy().tobytes().hex() for n, t in tensors.items()}
-
-
 def step(model: torch.nn.Module, adapter: str, seed: int) -> None:
     """A change of the first quarter of the rows of each of `adapter`'s tensors (where every
     element changes, a delta moves as many bytes as a full update)."""
@@ -129,7 +126,7 @@ def test_two_adapters_of_one_engine_are_updated_independently_bit_exact_with_pef
                 report = into_a.update(version)
                 assert report.ok and report.engines["lora/a"].delta_ranks == ([0] if n else []), report.format()
                 peft.set_peft_model_state_dict(reference, adapter_state(trainer, "default"), adapter_name="a")
-                assert held_bytes(rendezvous, "a") == hex_of(adapter_state(reference, "a"))
+                assert held_bytes(rendezvous, "a") == adapter_bytes(reference, "a")
                 assert held_bytes(rendezvous, "b") == b_before  # the other slot untouched
                 full = sum(t.nbytes for t in adapter_state(trainer, "default").values())  # the adapter, no base weight
                 assert report.engines["lora/a"].bytes == full if n == 0 else 0 < report.engines["lora/a"].bytes < full
@@ -138,8 +135,8 @@ def test_two_adapters_of_one_engine_are_updated_independently_bit_exact_with_pef
             report = into_b.update("b-1")
             assert report.ok, report.format()
             peft.set_peft_model_state_dict(reference, adapter_state(trainer, "other"), adapter_name="b")
-            assert held_bytes(rendezvous, "b") == hex_of(adapter_state(reference, "b"))
-            assert held_bytes(rendezvous, "a") == hex_of(adapter_state(reference, "a"))
+            assert held_bytes(rendezvous, "b") == adapter_bytes(reference, "b")
+            assert held_bytes(rendezvous, "a") == adapter_bytes(reference, "a")
             assert call(rendezvous, "b", "generate")["tokens"] == generate_with(reference, "b")
             assert generate_with(reference, "a") != generate_with(reference, "b")
             assert (call(rendezvous, "a", "info")["version"], call(rendezvous, "b", "info")["version"]) == ("a-2", "b-1")
@@ -196,7 +193,7 @@ def test_two_fsdp2_ranks_send_their_own_shards_of_an_adapter_then_deltas_bit_exa
     wanted = []
     for _ in range(2):  # what PEFT's own load leaves in slot "a" after each update
         peft.set_peft_model_state_dict(reference, adapter_state(trainer, "default"), adapter_name="a")
-        wanted.append(hex_of(adapter_state(reference, "a")))
+        wanted.append(adapter_bytes(reference, "a"))
         with torch.no_grad():
             for name, p in trainer.named_parameters():
                 if ".default." in name:
@@ -234,7 +231,7 @@ def test_a_slot_loaded_while_the_engine_serves_is_updated_then_unloaded_and_refu
             assert session.update("new-1").ok
             reference.add_adapter("new", config_of({}))
             peft.set_peft_model_state_dict(reference, adapter_state(trainer, "default"), adapter_name="new")
-            assert held_bytes(rendezvous, "new") == hex_of(adapter_state(reference, "new"))
+            assert held_bytes(rendezvous, "new") == adapter_bytes(reference, "new")
             assert call(rendezvous, "new", "generate")["tokens"] == generate_with(reference, "new")
         commands.put(("unload", "new"))
         assert answers.get(timeout=60) == sorted(SLOTS)
