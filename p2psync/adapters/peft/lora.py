@@ -12,11 +12,12 @@ tensor, and a wrong one would scale every update silently.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ...core.errors import ConnectError, where
 from ...core.types import TargetTable
+from ...engine.slots import AdapterSlots as EngineAdapterSlots
 from ..fsdp2.source import FSDP2Source
 from ..torch.endpoint import serve
 
@@ -58,9 +59,14 @@ def lora_config(model: torch.nn.Module, adapter: str) -> dict[str, Any]:
     if not configs or adapter not in configs:
         have = sorted(configs) if configs else []
         raise ValueError(f"the model has no LoRA adapter {adapter!r} (its adapters: {have})")
-    config = configs[adapter]
-    modules = config.target_modules
-    out = {field: getattr(config, field, None) for field in CONFIG_FIELDS}
+    return settings_of(configs[adapter])
+
+
+def settings_of(config: Any) -> dict[str, Any]:
+    """`CONFIG_FIELDS` of a PEFT LoraConfig, or of its fields as `adapter_config.json` holds them."""
+    get = config.get if isinstance(config, Mapping) else lambda field: getattr(config, field, None)
+    out = {field: get(field) for field in CONFIG_FIELDS}
+    modules = out["target_modules"]
     out["target_modules"] = sorted(modules) if isinstance(modules, (set, list, tuple)) else modules
     return out
 
@@ -119,28 +125,14 @@ def serve_lora(
     )
 
 
-class AdapterSlots:
-    """The adapter slots of one PEFT model on one engine rank, loaded and unloaded while it
-    serves: slot `adapter` is engine id `prefix + adapter` (`serve_lora`), each over a
-    transport of its own (`transport`, a registered name: closing a slot closes its own)."""
+class AdapterSlots(EngineAdapterSlots):
+    """The adapter slots of one PEFT model on one engine rank (`engine.slots.AdapterSlots`):
+    slot `adapter` is served with `serve_lora`."""
 
-    def __init__(
-        self, model: Any, *, rendezvous: Rendezvous, transport: str, prefix: str = "", rank: int = 0,
-        world_size: int = 1,
-    ) -> None:
-        self.model, self.rendezvous, self.transport, self.prefix = model, rendezvous, transport, prefix
-        self.rank, self.world_size = rank, world_size
-        self.endpoints: dict[str, EngineEndpoint] = {}
-
-    def serve(self, adapter: str, **options: Unpack[EndpointOptions]) -> EngineEndpoint:
-        """Serve an adapter the model already has (`options` as `serve_lora`'s)."""
-        if adapter in self.endpoints:
-            raise ValueError(f"adapter {adapter!r} is served already, as {self.endpoints[adapter].engine_id!r}")
-        self.endpoints[adapter] = serve_lora(
-            self.model, adapter=adapter, engine_id=self.prefix + adapter, rendezvous=self.rendezvous,
-            transport=self.transport, rank=self.rank, world_size=self.world_size, **options,
-        )
-        return self.endpoints[adapter]
+    def __init__(self, model: Any, *, rendezvous: Rendezvous, transport: str, prefix: str = "", rank: int = 0,
+                 world_size: int = 1) -> None:
+        super().__init__(rendezvous=rendezvous, transport=transport, prefix=prefix, rank=rank, world_size=world_size)
+        self.model = model
 
     def load(self, adapter: str, config: Any, **options: Unpack[EndpointOptions]) -> EngineEndpoint:
         """Add a new adapter (a PEFT `LoraConfig`) to the model and serve it. It holds PEFT's
@@ -149,13 +141,11 @@ class AdapterSlots:
         self.model.add_adapter(adapter, config)
         return self.serve(adapter, **options)
 
-    def unload(self, adapter: str) -> None:
-        """Withdraw the slot, then delete the adapter from the model. Unload between updates:
-        the slot's memory is unregistered first, so the writes of an update in flight fail."""
-        self.endpoints.pop(adapter).close()
-        self.model.delete_adapter(adapter)
+    def _publish(self, adapter: str, engine_id: str, **options: Unpack[EndpointOptions]) -> EngineEndpoint:
+        return serve_lora(
+            self.model, adapter=adapter, engine_id=engine_id, rendezvous=self.rendezvous, transport=self.transport,
+            rank=self.rank, world_size=self.world_size, **options,
+        )
 
-    def close(self) -> None:
-        for endpoint in self.endpoints.values():
-            endpoint.close()
-        self.endpoints.clear()
+    def _forget(self, adapter: str) -> None:
+        self.model.delete_adapter(adapter)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .lora_shim import LoraSettings
 from .shim import RankSpec, build_rank_model
 
 if TYPE_CHECKING:
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     from ...core.rendezvous import Rendezvous
     from ...core.types import TargetTable
     from ...engine.endpoint import EngineEndpoint
+    from .lora import LoraRank
 
 
 def rank_params(
@@ -58,3 +60,15 @@ def serve_rank(
         engine_id=engine_id, rank=rank, rendezvous=rendezvous, transport=transport,
     )
     return endpoint, rank_model.load
+
+
+def lora_rank(
+    hf_config: Mapping[str, Any], settings: LoraSettings, *, tp: int, rank: int, dtype: str = "bfloat16",
+) -> LoraRank:
+    """Build sglang's model of TP rank `rank` on CPU with its LoRAManager, as a server started
+    with `--enable-lora` and `settings` builds them, holding no adapter yet."""
+    from .lora import LoraRank
+    from .lora_shim import build_lora_manager
+
+    rank_model = build_rank_model(RankSpec(dict(hf_config), tp, 1, dtype, rank), "cpu")
+    return LoraRank(rank_model, build_lora_manager(rank_model, settings), rank, settings)

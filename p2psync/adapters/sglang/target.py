@@ -49,3 +49,40 @@ class SglangEngineTarget(RankModelTarget):
         if "server_url" in tables[0].extra:
             return ServedControl(tables, timeout=timeout, token=token)
         return EndpointControl(tables, timeout=timeout, token=token)
+
+
+class SglangLoraTarget(RankModelTarget):
+    """sglang LoRA adapter slots (`p2psync.adapters.sglang.serve_lora`): a PEFT adapter's tensors,
+    stacked as sglang's loader stacks them, into the slot's host copy. Refused at connect:
+    what sglang would scale or apply otherwise than PEFT (rsLoRA, DoRA)."""
+
+    name = "sglang-lora"
+    requires = ("sglang",)
+
+    def rank_model(self, table: TargetTable) -> RankModel:
+        from .key import config_hash
+        from .lora_shim import Normalization
+        from .shim import require_sglang
+
+        def reject(reason: str) -> ConnectError:
+            return ConnectError(f"{where(table.engine_id, table.rank)}: LoRA adapter {adapter!r}: {reason}")
+
+        key = table.layout_key
+        adapter = table.extra.get("lora", {}).get("adapter")
+        try:
+            version = require_sglang()
+        except (ImportError, RuntimeError) as exc:
+            raise reject(f"this trainer cannot build sglang layouts: {exc}") from exc
+        if key.get("sglang") != version:
+            raise reject(f"engine runs sglang {key.get('sglang')}, the trainer has sglang {version}")
+        if config_hash(key["config"]) != key["config_sha256"]:
+            raise reject("the HF config in the layout key does not match its hash")
+        config = key["adapter"]
+        if config.get("use_rslora"):
+            raise reject("sglang scales every LoRA by lora_alpha / r; rsLoRA's lora_alpha / sqrt(r) would be lost")
+        if config.get("use_dora"):
+            raise reject("sglang does not serve DoRA adapters")
+        return Normalization(key["config"], config, [(p.name, tuple(p.shape), p.dtype) for p in table.params])
+
+    def control(self, tables: Sequence[TargetTable], *, timeout: float, token: str = "") -> EngineControl:
+        return EndpointControl(tables, timeout=timeout, token=token)
