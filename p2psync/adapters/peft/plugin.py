@@ -10,5 +10,7 @@ from ...core.hookspecs import hookimpl
 @hookimpl
 def p2psync_register_trainer_sources(register: Callable[[type], None]) -> None:
     from .lora import LoraSource
+    from .merge import MergedLoraSource
 
     register(LoraSource)
+    register(MergedLoraSource)
