@@ -23,7 +23,7 @@ from .lora_shim import LoraSettings, adapter_config, host_weights, lora_id, refr
 from .shim import SglangRankModel, hf_config_dict
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
     from typing import Unpack
 
     import torch
@@ -39,12 +39,15 @@ ENGINE = "sglang-lora"
 @dataclass
 class LoraRank:
     """One TP rank of an sglang engine serving LoRA: its model, its LoRAManager, and the LoRA
-    server arguments it runs with."""
+    server arguments it runs with. In a server, `between_batches(fn)` runs `fn` on the
+    scheduler's thread between two forward passes and returns once it ran: slots are then
+    written into staging copies, applied there (see `serve_lora`)."""
 
     rank_model: SglangRankModel
     manager: Any  # sglang's LoRAManager of the rank
     rank: int
     settings: LoraSettings
+    between_batches: Callable[[Callable[[], None]], None] | None = None
 
     @property
     def world_size(self) -> int:
@@ -65,23 +68,46 @@ def serve_lora(
     lora: LoraRank, *, adapter: str, engine_id: str, rendezvous: Rendezvous, transport: Transport | str,
     **options: Unpack[EndpointOptions],
 ) -> EngineEndpoint:
-    """Serve sglang adapter `adapter` of this rank as engine `engine_id`: its host copy
-    registered in place, its settings in the table for the trainer to check; after each
-    update, sglang's own copy into its pool slot runs before any hook's `post_process`."""
+    """Serve sglang adapter `adapter` of this rank as engine `engine_id`, its settings in the
+    table for the trainer to check. Outside a server its host copy is registered in place,
+    and after each update sglang's own copy into its pool slot runs before any hook's
+    `post_process`. In a server (`between_batches`), updates land in a staging copy while
+    requests on the adapter keep running (the slot's only pause mode is "in_place": sglang
+    cannot hold one adapter's requests), and the finish applies it between two forward
+    passes: every pass sees the adapter's old bytes or its new ones, never a mix. Requests on
+    the adapter in flight then go on attending to KV its old bytes computed, as "in_place"
+    says (a server with a prefix cache is refused where slots are served: new requests would
+    reuse that KV too)."""
     uid = lora_id(lora.manager, adapter)
+    host = host_weights(lora.manager, uid)
     hooks = options.get("hooks") or EngineHooks()
     then = hooks.post_process
+    if lora.between_batches is None:
+        params = host
 
-    def post_process() -> None:
-        refresh_slot(lora.rank_model, lora.manager, uid)
-        then()
+        def post_process() -> None:
+            refresh_slot(lora.rank_model, lora.manager, uid)
+            then()
+    else:
+        params = {name: tensor.clone() for name, tensor in host.items()}
+        run_between_batches = lora.between_batches
 
+        def apply() -> None:
+            for name, tensor in params.items():
+                host[name].copy_(tensor)
+            refresh_slot(lora.rank_model, lora.manager, uid)
+
+        def post_process() -> None:
+            run_between_batches(apply)
+            then()
+
+        hooks = dataclasses.replace(hooks, pause_modes=("in_place",))
     options["hooks"] = dataclasses.replace(hooks, post_process=post_process)
     key = lora_key(lora, uid)
     options["extra"] = {**(options.get("extra") or {}), LORA_KEY: {"adapter": adapter, **settings_of(key["adapter"])}}
     return EngineEndpoint.serve(
         engine=ENGINE, engine_id=engine_id, rank=lora.rank, world_size=lora.world_size,
-        params=host_weights(lora.manager, uid), layout_key=key, transport=transport, rendezvous=rendezvous, **options,
+        params=params, layout_key=key, transport=transport, rendezvous=rendezvous, **options,
     )
 
 

@@ -12,6 +12,11 @@
   the weight version then go through the server's own HTTP API (see
   `target.SglangEngineTarget.control`); the endpoints hold each update's lease and
   report an abandoned update (their status call).
+- With `"lora": true` as well, each scheduler serves every LoRA adapter its server holds
+  (`--enable-lora`, `--lora-paths name=path`) as an adapter slot of its own, engine id
+  `<engine_id>/<name>` (see `lora.serve_lora`): an update lands in the slot's staging copy
+  while requests keep running, and is applied on the scheduler's thread between two forward
+  passes (at the top of its event loop). Such a server must run with `--disable-radix-cache`.
 - Unless `version` is declared, the server holds weights of no known version: it pauses
   generation as soon as it is up (after sglang's own warm-up request), and the first
   update resumes it.
@@ -23,6 +28,9 @@ import json
 import logging
 import multiprocessing
 import os
+import queue
+import threading
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -44,6 +52,8 @@ def load() -> None:
     patch_server_for_cpu()
     if os.environ.get(ENDPOINT_ENV):
         on_model_loaded(_serve_rank)
+        if _settings().get("lora"):
+            _serve_lora_slots()
         if _settings().get("version") is None and multiprocessing.parent_process() is None:
             _pause_once_up()  # the server's main process (HTTP server and tokenizer manager)
 
@@ -72,6 +82,80 @@ def _serve_rank(model: Any, server_args: Any, model_config: Any, tp_rank: int, d
             version=settings.get("version"), incarnation=settings.get("incarnation"), draft=draft,
         )
     )
+
+
+class _BetweenBatches:
+    """Work handed to the scheduler's thread, run at the top of its event loop (between two
+    forward passes; the loop turns while idle too)."""
+
+    def __init__(self, timeout: float = 300.0) -> None:
+        self._work: queue.Queue[tuple[Callable[[], None], threading.Event, list[BaseException]]] = queue.Queue()
+        self.timeout = timeout
+        self.scheduler: Any = None  # the process's scheduler, once its loop turned
+
+    def run(self, fn: Callable[[], None]) -> None:
+        done, errors = threading.Event(), []  # type: ignore[var-annotated]
+        self._work.put((fn, done, errors))
+        if not done.wait(self.timeout):
+            raise TimeoutError(f"the sglang scheduler ran no loop iteration in {self.timeout:g} s")
+        if errors:
+            raise errors[0]
+
+    def drain(self, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+        self.scheduler = scheduler
+        while True:
+            try:
+                fn, done, errors = self._work.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fn()
+            except BaseException as exc:  # handed back to the waiting endpoint
+                errors.append(exc)
+            finally:
+                done.set()
+
+
+def _serve_lora_slots() -> None:
+    """Serve each scheduler's adapters once its LoRAManager holds them."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    between = _BetweenBatches()
+
+    def after_lora_manager(result: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
+        from ...core.rendezvous import Rendezvous
+        from sglang.srt.runtime_context import get_context, get_lora, get_parallel
+
+        from .lora import LoraRank, SglangAdapterSlots
+        from .lora_shim import LoraSettings
+        from .shim import SglangRankModel
+
+        if not runner.server_args.disable_radix_cache:
+            raise ValueError(
+                "p2psync's LoRA slots need --disable-radix-cache: after an update sglang's prefix cache would give "
+                "new requests KV that the adapter's old bytes computed"
+            )
+        settings = _settings()
+        lora = get_lora()
+        rank_model = SglangRankModel(runner.model, get_context(), runner.server_args, runner.model_config)
+        limits = LoraSettings(
+            max_lora_rank=int(lora.max_lora_rank), target_modules=tuple(sorted(lora.lora_target_modules)),
+            max_loras_per_batch=int(lora.max_loras_per_batch),
+            max_loaded_loras=int(lora.max_loaded_loras or lora.max_loras_per_batch),
+        )
+
+        rank = LoraRank(rank_model, runner.lora_manager, get_parallel().tp_rank, limits, between.run)
+        host, port = settings["rendezvous"].rsplit(":", 1)
+        slots = SglangAdapterSlots(rank, rendezvous=Rendezvous(host=host, port=int(port), job_id=settings["job_id"]),
+                                   transport=settings.get("transport", "mooncake"), prefix=f"{settings['engine_id']}/")
+        for ref in list(runner.lora_manager.lora_refs.values()):
+            slots.serve(ref.lora_name, version=settings.get("version"))
+        _served.append(slots)
+        return result
+
+    HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.init_lora_manager", after_lora_manager,
+                          HookType.AFTER)
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.ingest_requests", between.drain, HookType.BEFORE)
 
 
 def _pause_once_up() -> None:

@@ -361,6 +361,9 @@ def patch_server_for_cpu() -> None:
     from sglang.srt.model_loader import loader, remote_instance_weight_loader_utils as utils
 
     transporter.register_memory_region = utils.register_memory_region_v1
+    from .lora_shim import unpin_without_cuda
+
+    unpin_without_cuda()
     loader.register_memory_region = utils.register_memory_region_v1
     torch.cuda.synchronize = _no_device_to_wait_for
 
