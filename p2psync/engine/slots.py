@@ -5,6 +5,7 @@ pauses only the requests routed to that adapter's endpoint."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -42,6 +43,22 @@ class AdapterSlots(ABC):
             raise ValueError(f"adapter {adapter!r} is served already, as {self.endpoints[adapter].engine_id!r}")
         self.endpoints[adapter] = self._publish(adapter, self.prefix + adapter, **options)
         return self.endpoints[adapter]
+
+    def _load_new(
+        self, adapter: str, load: Callable[[], None], *, engine: str, held: int, limit: int, limit_flag: str,
+        **options: Unpack[EndpointOptions],
+    ) -> EngineEndpoint:
+        """Load a new adapter with the engine's own loader (`load`), then serve it. Refused,
+        naming the rank and adapter, where the engine holds `limit` adapters already (its
+        `limit_flag`), and with the loader's reason where it raises ValueError."""
+        if held >= limit:
+            raise ValueError(f"rank {self.rank}: cannot load LoRA adapter {adapter!r}: the engine holds {held} "
+                             f"adapters, its {limit_flag}")
+        try:
+            load()
+        except ValueError as exc:
+            raise ValueError(f"rank {self.rank}: {engine} refused LoRA adapter {adapter!r}: {exc}") from None
+        return self.serve(adapter, **options)
 
     def unload(self, adapter: str) -> None:
         """Withdraw the slot, then delete the adapter from the engine. Unload between updates:

@@ -35,6 +35,12 @@ class RankModel(ABC):
         has none): layouts write nothing there. None by default: every parameter must be fed."""
         return frozenset()
 
+    def produced_together(self, names: Sequence[str]) -> list[tuple[str, str]]:
+        """Pairs of these HF tensors the engine's loader needs in one call although neither feeds
+        the other's parameters (a LoRA loader that reads A and B of a module together). None by
+        default."""
+        return []
+
     def post_load(self) -> None:
         """The engine's step after loading (derived tensors such as DeepSeek MLA's `w_kc`),
         which an engine runs after each update once the new bytes are in place. None by default."""
@@ -73,3 +79,23 @@ class ParameterHolders:
         finally:
             for holder, attr, original in reversed(swapped):
                 holder._parameters[attr] = original
+
+
+def parameter_tree(params: Sequence[tuple[str, tuple[int, ...], str]]) -> torch.nn.Module:
+    """A module whose `named_parameters()` are exactly `params` ((dotted name, shape, dtype)), on
+    meta: the rank model of an engine whose tensors are no torch module's (adapter copies)."""
+    import torch
+
+    root = torch.nn.Module()
+    for name, shape, dtype in params:
+        *path, leaf = name.split(".")
+        owner: torch.nn.Module = root
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, torch.nn.Module())
+            owner = getattr(owner, part)
+        owner.register_parameter(
+            leaf, torch.nn.Parameter(torch.empty(shape, dtype=getattr(torch, dtype), device="meta"), requires_grad=False)
+        )
+    return root
+

@@ -59,7 +59,8 @@ class RankModelTarget(EngineTarget):
         rank_model = self.rank_model(table)
         quantization = self.quantization(table)
         if quantization is None:
-            return EngineLayout(table, sources, rank_model, mode=self.options.layout)
+            together = rank_model.produced_together(list(sources))
+            return EngineLayout(table, sources, rank_model, mode=self.options.layout, together=together)
         return self._quantized_layout(table, sources, rank_model, quantization)
 
     def _quantized_layout(

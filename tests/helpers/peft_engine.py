@@ -100,3 +100,49 @@ def lora_engine_process(
         answers.put(sorted(model.peft_config))
     stop.wait()
     slots.close()
+
+
+#: Every linear projection of the worlds' models (engines stack q/k/v and gate/up).
+ALL_LINEAR = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+
+
+def lora_model(adapters: dict[str, int], *, base: ModelSpec = ModelSpec(), r: int = 4,
+               targets: list[str] = ALL_LINEAR, **config: Any) -> Any:
+    """`base` (seed 1) with a random LoRA adapter per entry ({name: seed}), A and B nonzero."""
+    from peft import LoraConfig, get_peft_model
+
+    model = base.build(seed=1)
+    for name, seed in adapters.items():
+        torch.manual_seed(seed)  # after the base model's own seed
+        lora = LoraConfig(r=r, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights=False,
+                          **config)
+        if hasattr(model, "peft_config"):
+            model.add_adapter(name, lora)
+        else:
+            model = get_peft_model(model, lora, adapter_name=name)
+    return model.eval()
+
+
+def peft_checkpoint(model: Any, adapter: str, dtype: torch.dtype = torch.bfloat16) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """`adapter`'s tensors as PEFT saves them, in `dtype` (as RL frameworks send them to an
+    engine), and its `adapter_config.json` fields."""
+    tensors = adapter_state(model, adapter)
+    config = model.peft_config[adapter].to_dict()
+    config["target_modules"] = sorted(config["target_modules"])
+    return {n: t.detach().to(dtype) for n, t in tensors.items()}, config
+
+
+def perturb_first_rows(model: Any, adapter: str, seed: int) -> None:
+    """A change of the first row of each of `adapter`'s tensors (so that a delta moves less)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if f".{adapter}." in name:
+                p[:1].add_(torch.randn(p[:1].shape, generator=generator) * 0.05)
+
+
+def assert_bytes_equal(got: dict[str, torch.Tensor], wanted: dict[str, torch.Tensor], what: str) -> None:
+    """`got` holds exactly `wanted`'s tensors, byte for byte."""
+    assert list(got) == list(wanted), what
+    wrong = [n for n in wanted if not torch.equal(got[n].view(torch.uint8), wanted[n].view(torch.uint8))]
+    assert not wrong, f"{what}: bytes differ in {wrong}"

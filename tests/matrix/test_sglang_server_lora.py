@@ -24,21 +24,16 @@ from p2psync.core.control import http_json  # noqa: E402
 from p2psync.core.rendezvous import Rendezvous  # noqa: E402
 from p2psync.trainer.session import Session  # noqa: E402
 from p2psync.worlds import PROMPT  # noqa: E402
+from tests.helpers.peft_engine import ALL_LINEAR, lora_model  # noqa: E402
 from tests.matrix.test_sglang_server import MODEL, assert_generated_by, generated_by, served, sglang_server  # noqa: E402
 
-TARGETS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
 #: Long enough that the request on "b" spans the update of "a".
 LONG = 160
 
 
 def with_adapter(name: str, seed: int) -> torch.nn.Module:
-    """The server's base model (seed 1) with one random LoRA adapter (A and B nonzero)."""
-    from peft import LoraConfig, get_peft_model
-
-    base = MODEL.build(seed=1)
-    torch.manual_seed(seed)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False)
-    return get_peft_model(base, config, adapter_name=name).eval()
+    """The server's base model with one random LoRA adapter."""
+    return lora_model({name: seed}, base=MODEL)
 
 
 def generate(url: str, adapter: str, tokens: int = 8) -> dict:
@@ -57,7 +52,7 @@ def test_one_adapter_of_a_real_server_is_updated_while_a_request_on_another_runs
     settings = {"rendezvous": f"127.0.0.1:{rendezvous.port}", "job_id": rendezvous.job_id, "engine_id": "server",
                 "version": "v1", "lora": True}
     flags = ["--weight-version", "v1", "--disable-radix-cache", "--enable-lora", "--lora-paths", *paths, "--max-lora-rank", "8",
-             "--lora-target-modules", *TARGETS, "--lora-backend", "torch_native", "--max-loras-per-batch", "3"]
+             "--lora-target-modules", *ALL_LINEAR, "--lora-backend", "torch_native", "--max-loras-per-batch", "3"]
     trainer = with_adapter("default", 41)
     with sglang_server(tmp_path, flags, {ENDPOINT_ENV: json.dumps(settings)}) as url:
         before = generate(url, "a")["output_ids"]

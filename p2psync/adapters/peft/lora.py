@@ -37,6 +37,24 @@ LORA_KEY = "lora"
 CONFIG_FIELDS = ("r", "lora_alpha", "target_modules", "use_rslora", "use_dora")
 
 
+def slot_rejecter(table: TargetTable, *, engine: str, key: str, version: Callable[[], str]) -> Callable[[str], ConnectError]:
+    """For an engine's adapter slot: check that this trainer has the engine's own version
+    (`version()`, the slot's `layout_key[key]`), then give what makes a ConnectError naming the
+    engine, rank and adapter for a reason."""
+    adapter = table.extra.get(LORA_KEY, {}).get("adapter")
+
+    def reject(reason: str) -> ConnectError:
+        return ConnectError(f"{where(table.engine_id, table.rank)}: LoRA adapter {adapter!r}: {reason}")
+
+    try:
+        have = version()
+    except (ImportError, RuntimeError) as exc:
+        raise reject(f"this trainer cannot build {engine} layouts: {exc}") from exc
+    if table.layout_key.get(key) != have:
+        raise reject(f"engine runs {engine} {table.layout_key.get(key)}, the trainer has {engine} {have}")
+    return reject
+
+
 def _pattern(adapter: str) -> re.Pattern[str]:
     return re.compile(rf"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.{re.escape(adapter)}(?=\.|$)")
 

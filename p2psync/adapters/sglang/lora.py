@@ -127,17 +127,12 @@ class SglangAdapterSlots(AdapterSlots):
         declare one: out of serving until its first update lands."""
         from .lora_shim import load_from_tensors
 
-        held, limit = len(self.lora.manager.lora_refs), self.lora.settings.max_loaded_loras
-        if held >= limit:  # sglang's server checks this in its tokenizer manager, not its LoRAManager
-            raise ValueError(
-                f"rank {self.rank}: cannot load LoRA adapter {adapter!r}: the engine holds {held} adapters, "
-                f"its --max-loaded-loras"
-            )
-        try:
+        def load() -> None:
             load_from_tensors(self.lora.rank_model, self.lora.manager, adapter, tensors, config)
-        except ValueError as exc:
-            raise ValueError(f"rank {self.rank}: sglang refused LoRA adapter {adapter!r}: {exc}") from None
-        return self.serve(adapter, **options)
+
+        # sglang's server checks --max-loaded-loras in its tokenizer manager, not its LoRAManager
+        return self._load_new(adapter, load, engine="sglang", held=len(self.lora.manager.lora_refs),
+                              limit=self.lora.settings.max_loaded_loras, limit_flag="--max-loaded-loras", **options)
 
     def _publish(self, adapter: str, engine_id: str, **options: Unpack[EndpointOptions]) -> EngineEndpoint:
         return serve_lora(self.lora, adapter=adapter, engine_id=engine_id, rendezvous=self.rendezvous,

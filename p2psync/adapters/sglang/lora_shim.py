@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ...layouts import RankModel
+from ...layouts.rank_model import parameter_tree
 from .shim import SglangRankModel
 
 #: sglang's LoRA kernels that run without CUDA.
@@ -195,7 +196,7 @@ class Normalization(RankModel):
 
         self.hf_config = PretrainedConfig.from_dict(dict(hf_config))
         self.config = {**config, "peft_type": "LORA"}
-        self.model = _parameter_tree(params)
+        self.model = parameter_tree(params)
 
     def load(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
         from sglang.srt.lora.lora import LoRAAdapter
@@ -220,24 +221,3 @@ def _stays(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.is_meta:
         tensor.cpu = lambda *args, **kwargs: tensor  # type: ignore[method-assign]
     return tensor
-
-
-class _Tree(torch.nn.Module):
-    pass
-
-
-def _parameter_tree(params: Sequence[tuple[str, tuple[int, ...], str]]) -> torch.nn.Module:
-    """A module whose `named_parameters()` are exactly `params` (dotted names), on meta."""
-    root = _Tree()
-    for name, shape, dtype in params:
-        *path, leaf = name.split(".")
-        owner: torch.nn.Module = root
-        for part in path:
-            if not hasattr(owner, part):
-                owner.add_module(part, _Tree())
-            owner = getattr(owner, part)
-        owner.register_parameter(
-            leaf, torch.nn.Parameter(torch.empty(shape, dtype=getattr(torch, dtype), device="meta"), requires_grad=False)
-        )
-    return root
-

@@ -60,21 +60,13 @@ class SglangLoraTarget(RankModelTarget):
     requires = ("sglang",)
 
     def rank_model(self, table: TargetTable) -> RankModel:
+        from ..peft.lora import slot_rejecter
         from .key import config_hash
         from .lora_shim import Normalization
         from .shim import require_sglang
 
-        def reject(reason: str) -> ConnectError:
-            return ConnectError(f"{where(table.engine_id, table.rank)}: LoRA adapter {adapter!r}: {reason}")
-
+        reject = slot_rejecter(table, engine="sglang", key="sglang", version=require_sglang)
         key = table.layout_key
-        adapter = table.extra.get("lora", {}).get("adapter")
-        try:
-            version = require_sglang()
-        except (ImportError, RuntimeError) as exc:
-            raise reject(f"this trainer cannot build sglang layouts: {exc}") from exc
-        if key.get("sglang") != version:
-            raise reject(f"engine runs sglang {key.get('sglang')}, the trainer has sglang {version}")
         if config_hash(key["config"]) != key["config_sha256"]:
             raise reject("the HF config in the layout key does not match its hash")
         config = key["adapter"]

@@ -9,6 +9,7 @@ from ...core.hookspecs import hookimpl
 
 @hookimpl
 def p2psync_register_engine_targets(register: Callable[[type], None]) -> None:
-    from .target import VllmEngineTarget
+    from .target import VllmEngineTarget, VllmLoraTarget
 
     register(VllmEngineTarget)
+    register(VllmLoraTarget)

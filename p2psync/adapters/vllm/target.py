@@ -40,3 +40,28 @@ class VllmEngineTarget(RankModelTarget):
 
             return VllmServedControl(tables, timeout=timeout, token=token)
         return EndpointControl(tables, timeout=timeout, token=token)
+
+
+class VllmLoraTarget(RankModelTarget):
+    """vLLM LoRA adapter slots (`p2psync.adapters.vllm.lora.serve_lora`): a PEFT adapter's
+    tensors, packed and scaled as vLLM's loader leaves them, into the slot's host copy."""
+
+    name = "vllm-lora"
+    requires = ("vllm",)
+
+    def rank_model(self, table: TargetTable) -> RankModel:
+        from ..peft.lora import slot_rejecter
+        from .lora_shim import LoraSettings, Packing, lora_engine_config
+        from .shim import version
+
+        reject = slot_rejecter(table, engine="vLLM", key="vllm", version=version)
+        key = table.layout_key
+        config = lora_engine_config(key["hf_config"], tp=int(key["tp"]), dtype=str(key["dtype"]),
+                                    settings=LoraSettings(**key["lora"]))
+        try:
+            return Packing(config, table.rank, key["adapter"], [(p.name, tuple(p.shape), p.dtype) for p in table.params])
+        except ValueError as exc:
+            raise reject(f"vLLM cannot build this rank's LoRA manager: {exc}") from exc
+
+    def control(self, tables: Sequence[TargetTable], *, timeout: float, token: str = "") -> EngineControl:
+        return EndpointControl(tables, timeout=timeout, token=token)

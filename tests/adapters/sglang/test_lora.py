@@ -22,36 +22,12 @@ from p2psync.adapters.sglang import LoraSettings, SglangAdapterSlots, lora_rank 
 from p2psync.adapters.sglang.lora_shim import host_weights, load_from_tensors, lora_id, slot_buffers, slot_of  # noqa: E402
 from p2psync.worlds import ModelSpec  # noqa: E402
 from tests.helpers.matrix import TRANSPORTS, usable  # noqa: E402
+from tests.helpers.peft_engine import assert_bytes_equal, perturb_first_rows, ALL_LINEAR, lora_model, peft_checkpoint  # noqa: E402
 
 TP = 2
-#: Every linear projection: sglang stacks q/k/v into qkv_proj and gate/up into gate_up_proj.
-TARGETS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
-SETTINGS = LoraSettings(max_lora_rank=8, target_modules=tuple(TARGETS), max_loras_per_batch=3, max_loaded_loras=3)
+SETTINGS = LoraSettings(max_lora_rank=8, target_modules=tuple(ALL_LINEAR), max_loras_per_batch=3,
+                        max_loaded_loras=3)
 MODEL = ModelSpec()
-
-
-def peft_model(adapters: dict[str, int], r: int = 4, targets: list[str] = TARGETS, **config: Any) -> Any:
-    """The tiny Qwen3 with a random LoRA adapter per entry ({name: seed}), A and B nonzero."""
-    from peft import LoraConfig, get_peft_model
-
-    model = MODEL.build(seed=1)
-    for name, seed in adapters.items():
-        torch.manual_seed(seed)  # after the base model's own seed
-        lora = LoraConfig(r=r, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights=False,
-                          **config)
-        model = get_peft_model(model, lora, adapter_name=name) if not hasattr(model, "peft_config") else model
-        if name not in model.peft_config:
-            model.add_adapter(name, lora)
-    return model
-
-
-def checkpoint(model: Any, adapter: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """`adapter`'s tensors as PEFT saves them, in the engine's dtype (as RL frameworks send them),
-    and its `adapter_config.json` fields."""
-    tensors = peft.get_peft_model_state_dict(model, adapter_name=adapter)
-    config = model.peft_config[adapter].to_dict()
-    config["target_modules"] = sorted(config["target_modules"])
-    return {n: t.detach().to(torch.bfloat16) for n, t in tensors.items()}, config
 
 
 def engine_ranks() -> list[Any]:
@@ -70,7 +46,7 @@ def own_load(model: Any, adapter: str) -> list[dict[str, torch.Tensor]]:
     """Per TP rank, what sglang's own load of the trainer's `adapter` leaves there."""
     wanted = []
     for lora in engine_ranks():
-        uid = load_from_tensors(lora.rank_model, lora.manager, adapter, *checkpoint(model, adapter))
+        uid = load_from_tensors(lora.rank_model, lora.manager, adapter, *peft_checkpoint(model, adapter))
         wanted.append(held(lora, uid))
     return wanted
 
@@ -78,18 +54,7 @@ def own_load(model: Any, adapter: str) -> list[dict[str, torch.Tensor]]:
 def assert_holds(ranks: list[Any], adapter: str, wanted: list[dict[str, torch.Tensor]]) -> None:
     for lora, expected in zip(ranks, wanted):
         got = held(lora, lora_id(lora.manager, adapter))
-        assert list(got) == list(expected), f"rank {lora.rank}: adapter {adapter!r}"
-        wrong = [n for n in expected if not torch.equal(got[n].view(torch.uint8), expected[n].view(torch.uint8))]
-        assert not wrong, f"rank {lora.rank}: adapter {adapter!r}: bytes differ from sglang's own load in {wrong}"
-
-
-def step(model: Any, adapter: str, seed: int) -> None:
-    """A change of the first rows of each of `adapter`'s tensors (so that a delta moves less)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if f".{adapter}." in name:
-                p[:1].add_(torch.randn(p[:1].shape, generator=generator) * 0.05)
+        assert_bytes_equal(got, expected, f"rank {lora.rank}: adapter {adapter!r}, against sglang's own load")
 
 
 def serving(transport: str, job: str) -> tuple[Rendezvous, list[Any], list[SglangAdapterSlots]]:
@@ -97,12 +62,12 @@ def serving(transport: str, job: str) -> tuple[Rendezvous, list[Any], list[Sglan
     weights than the trainer's), served as slots `sglang/a` and `sglang/b`; "a" already in a
     pool slot (a batch used it), "b" not yet."""
     rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id=job, is_server=True, timeout=60)
-    engine = peft_model({"a": 31, "b": 32})
+    engine = lora_model({"a": 31, "b": 32})
     ranks, slots = engine_ranks(), []
     for lora in ranks:
         rank_slots = SglangAdapterSlots(lora, rendezvous=rendezvous, transport=transport, prefix="sglang/")
         for adapter in ("a", "b"):
-            rank_slots.load(adapter, *checkpoint(engine, adapter))
+            rank_slots.load(adapter, *peft_checkpoint(engine, adapter))
         slot_of(lora.rank_model, lora.manager, lora_id(lora.manager, "a"))
         slots.append(rank_slots)
     return rendezvous, ranks, slots
@@ -114,7 +79,7 @@ def serving(transport: str, job: str) -> tuple[Rendezvous, list[Any], list[Sglan
 ])
 def test_two_adapters_of_sglang_ranks_are_updated_independently_bit_exact_with_sglangs_own_load(transport):
     usable("transports", transport)
-    trainer = peft_model({"default": 41, "other": 42})
+    trainer = lora_model({"default": 41, "other": 42})
     rendezvous, ranks, slots = serving(transport, f"sglang-lora-{transport}")
     try:
         b_before = [held(lora, lora_id(lora.manager, "b")) for lora in ranks]
@@ -123,7 +88,7 @@ def test_two_adapters_of_sglang_ranks_are_updated_independently_bit_exact_with_s
             into_a.connect(["sglang/a"])
             for n, version in enumerate(("a-1", "a-2")):
                 if n:
-                    step(trainer, "default", seed=n)
+                    perturb_first_rows(trainer, "default", seed=n)
                 report = into_a.update(version)
                 assert report.ok and report.engines["sglang/a"].delta_ranks == ([0, 1] if n else []), report.format()
                 assert_holds(ranks, "a", own_load(trainer, "default"))
@@ -143,17 +108,17 @@ def test_two_adapters_of_sglang_ranks_are_updated_independently_bit_exact_with_s
 def test_what_sglang_would_serve_otherwise_is_refused_naming_engine_rank_and_adapter():
     rendezvous, ranks, slots = serving("samehost", "sglang-lora-refusals")
     try:
-        wide = peft_model({"wide": 51}, r=16)  # above --max-lora-rank 8
+        wide = lora_model({"wide": 51}, r=16)  # above --max-lora-rank 8
         with pytest.raises(ValueError, match=r"rank 0: sglang refused LoRA adapter 'wide': .*rank 16 is incompatible"):
-            slots[0].load("wide", *checkpoint(wide, "wide"))
-        head = peft_model({"head": 56}, targets=["lm_head", "q_proj"])  # outside --lora-target-modules
+            slots[0].load("wide", *peft_checkpoint(wide, "wide"))
+        head = lora_model({"head": 56}, targets=["lm_head", "q_proj"])  # outside --lora-target-modules
         with pytest.raises(ValueError, match=r"rank 0: sglang refused LoRA adapter 'head': .*--lora-target-modules"):
-            slots[0].load("head", *checkpoint(head, "head"))
-        slots[0].load("c", *checkpoint(peft_model({"c": 52}), "c"))
+            slots[0].load("head", *peft_checkpoint(head, "head"))
+        slots[0].load("c", *peft_checkpoint(lora_model({"c": 52}), "c"))
         with pytest.raises(ValueError, match=r"rank 0: cannot load LoRA adapter 'd': the engine holds 3 adapters"):
-            slots[0].load("d", *checkpoint(peft_model({"d": 53}), "d"))
+            slots[0].load("d", *peft_checkpoint(lora_model({"d": 53}), "d"))
         before = [held(lora, lora_id(lora.manager, "a")) for lora in ranks]
-        other_rank = peft_model({"default": 53}, r=8)
+        other_rank = lora_model({"default": 53}, r=8)
         with Session(source=LoraSource(other_rank), transport="samehost", rendezvous=rendezvous) as session:
             with pytest.raises(ConnectError, match=r"engine 'sglang/a' rank 0: its LoRA adapter slot 'a' does not "
                                                    r"match the trainer's adapter 'default': r 4 there, 8 here"):
@@ -161,8 +126,8 @@ def test_what_sglang_would_serve_otherwise_is_refused_naming_engine_rank_and_ada
         slots[0].unload("c")
         for rank_slots in slots:
             rank_slots.unload("b")
-            rank_slots.load("rs", *checkpoint(peft_model({"rs": 54}, use_rslora=True), "rs"))  # sglang loads it
-        with Session(source=LoraSource(peft_model({"default": 55}, use_rslora=True)), transport="samehost",
+            rank_slots.load("rs", *peft_checkpoint(lora_model({"rs": 54}, use_rslora=True), "rs"))  # sglang loads it
+        with Session(source=LoraSource(lora_model({"default": 55}, use_rslora=True)), transport="samehost",
                      rendezvous=rendezvous) as session:
             with pytest.raises(ConnectError, match=r"engine 'sglang/rs' rank 0: LoRA adapter 'rs': sglang scales"):
                 session.connect(["sglang/rs"])
