@@ -1,5 +1,5 @@
-"""LoRA adapter updates into sglang's own LoRA machinery (tox env conformance-sglang): both TP
-ranks of a tiny Qwen3 in bfloat16 built on CPU with sglang's LoRAManager, two adapters loaded
+"""LoRA adapter updates into sglang's own LoRA machinery (tox env conformance-sglang): every TP
+rank (TP 1 and 2) of a tiny Qwen3 in bfloat16 built on CPU with sglang's LoRAManager, two adapters loaded
 by sglang's own loader and served as p2psync adapter slots in this process. After every
 update each rank holds exactly what sglang's own `load_lora_adapter_from_tensors` of the
 trainer's adapter leaves there: the host copy (q/k/v and gate/up stacked) and the rank's TP
@@ -24,14 +24,13 @@ from p2psync.worlds import ModelSpec  # noqa: E402
 from tests.helpers.matrix import TRANSPORTS, usable  # noqa: E402
 from tests.helpers.peft_engine import assert_bytes_equal, perturb_first_rows, ALL_LINEAR, lora_model, peft_checkpoint  # noqa: E402
 
-TP = 2
 SETTINGS = LoraSettings(max_lora_rank=8, target_modules=tuple(ALL_LINEAR), max_loras_per_batch=3,
                         max_loaded_loras=3)
 MODEL = ModelSpec()
 
 
-def engine_ranks() -> list[Any]:
-    return [lora_rank(MODEL.config_dict(), SETTINGS, tp=TP, rank=r) for r in range(TP)]
+def engine_ranks(tp: int) -> list[Any]:
+    return [lora_rank(MODEL.config_dict(), SETTINGS, tp=tp, rank=r) for r in range(tp)]
 
 
 def held(lora: Any, uid: str) -> dict[str, torch.Tensor]:
@@ -42,10 +41,10 @@ def held(lora: Any, uid: str) -> dict[str, torch.Tensor]:
             **{f"pool {n}": t.clone() for n, t in slot_buffers(lora.manager, slot).items()}}
 
 
-def own_load(model: Any, adapter: str) -> list[dict[str, torch.Tensor]]:
+def own_load(model: Any, adapter: str, tp: int) -> list[dict[str, torch.Tensor]]:
     """Per TP rank, what sglang's own load of the trainer's `adapter` leaves there."""
     wanted = []
-    for lora in engine_ranks():
+    for lora in engine_ranks(tp):
         uid = load_from_tensors(lora.rank_model, lora.manager, adapter, *peft_checkpoint(model, adapter))
         wanted.append(held(lora, uid))
     return wanted
@@ -57,13 +56,13 @@ def assert_holds(ranks: list[Any], adapter: str, wanted: list[dict[str, torch.Te
         assert_bytes_equal(got, expected, f"rank {lora.rank}: adapter {adapter!r}, against sglang's own load")
 
 
-def serving(transport: str, job: str) -> tuple[Rendezvous, list[Any], list[SglangAdapterSlots]]:
-    """Both TP ranks, each holding adapters "a" and "b" (sglang's own load of other random
+def serving(transport: str, job: str, tp: int = 2) -> tuple[Rendezvous, list[Any], list[SglangAdapterSlots]]:
+    """Every TP rank, each holding adapters "a" and "b" (sglang's own load of other random
     weights than the trainer's), served as slots `sglang/a` and `sglang/b`; "a" already in a
     pool slot (a batch used it), "b" not yet."""
     rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id=job, is_server=True, timeout=60)
     engine = lora_model({"a": 31, "b": 32})
-    ranks, slots = engine_ranks(), []
+    ranks, slots = engine_ranks(tp), []
     for lora in ranks:
         rank_slots = SglangAdapterSlots(lora, rendezvous=rendezvous, transport=transport, prefix="sglang/")
         for adapter in ("a", "b"):
@@ -73,14 +72,15 @@ def serving(transport: str, job: str) -> tuple[Rendezvous, list[Any], list[Sglan
     return rendezvous, ranks, slots
 
 
-@pytest.mark.parametrize("transport", [
-    pytest.param(t, marks=pytest.mark.conformance(trainer="fsdp2", engine="sglang", transport=t, via="peft lora"))
+@pytest.mark.parametrize(("transport", "tp"), [
+    pytest.param(t, 2, marks=pytest.mark.conformance(trainer="fsdp2", engine="sglang", transport=t, via="peft lora"))
     for t in TRANSPORTS
-])
-def test_two_adapters_of_sglang_ranks_are_updated_independently_bit_exact_with_sglangs_own_load(transport):
+] + [pytest.param("mooncake", 1, marks=pytest.mark.conformance(trainer="fsdp2", engine="sglang", transport="mooncake",
+                                                                via="peft lora, TP 1"))])
+def test_two_adapters_of_sglang_ranks_are_updated_independently_bit_exact_with_sglangs_own_load(transport, tp):
     usable("transports", transport)
     trainer = lora_model({"default": 41, "other": 42})
-    rendezvous, ranks, slots = serving(transport, f"sglang-lora-{transport}")
+    rendezvous, ranks, slots = serving(transport, f"sglang-lora-{transport}-{tp}", tp)
     try:
         b_before = [held(lora, lora_id(lora.manager, "b")) for lora in ranks]
         with Session(source=LoraSource(trainer, adapter="default"), transport=transport, rendezvous=rendezvous,
@@ -90,16 +90,16 @@ def test_two_adapters_of_sglang_ranks_are_updated_independently_bit_exact_with_s
                 if n:
                     perturb_first_rows(trainer, "default", seed=n)
                 report = into_a.update(version)
-                assert report.ok and report.engines["sglang/a"].delta_ranks == ([0, 1] if n else []), report.format()
-                assert_holds(ranks, "a", own_load(trainer, "default"))
+                assert report.ok and report.engines["sglang/a"].delta_ranks == (list(range(tp)) if n else []), report.format()
+                assert_holds(ranks, "a", own_load(trainer, "default", tp))
                 for lora, before in zip(ranks, b_before):  # the other adapter untouched
                     assert all(torch.equal(t, held(lora, lora_id(lora.manager, "b"))[n]) for n, t in before.items())
         with Session(source=LoraSource(trainer, adapter="other"), transport=transport, rendezvous=rendezvous) as into_b:
             into_b.connect(["sglang/b"])
             assert into_b.update("b-1").ok
-        assert_holds(ranks, "b", own_load(trainer, "other"))
-        assert_holds(ranks, "a", own_load(trainer, "default"))
-        assert [(s.endpoints["a"].version, s.endpoints["b"].version) for s in slots] == [("a-2", "b-1")] * TP
+        assert_holds(ranks, "b", own_load(trainer, "other", tp))
+        assert_holds(ranks, "a", own_load(trainer, "default", tp))
+        assert [(s.endpoints["a"].version, s.endpoints["b"].version) for s in slots] == [("a-2", "b-1")] * tp
     finally:
         for rank_slots in slots:
             rank_slots.close()

@@ -1,9 +1,9 @@
-"""LoRA adapter updates into vLLM's own LoRA machinery (tox env conformance-vllm): both TP ranks
-of a tiny Qwen3 in bfloat16 built on CPU with vLLM's worker LoRA manager, two adapters loaded by
-vLLM's own loader and served as p2psync adapter slots in this process. After every update each
-rank holds exactly what vLLM's own load of the trainer's adapter leaves there: the host copy
-(q/k/v and gate/up packed, the scaling in B) and the rank's TP slice in the adapter's slot of
-every LoRA layer's stacked buffers; the other adapter is untouched."""
+"""LoRA adapter updates into vLLM's own LoRA machinery (tox env conformance-vllm): every TP rank
+(TP 1 and 2) of a tiny Qwen3 in bfloat16 built on CPU with vLLM's worker LoRA manager, two
+adapters loaded by vLLM's own loader and served as p2psync adapter slots in this process. After
+every update each rank holds exactly what vLLM's own load of the trainer's adapter leaves there:
+the host copy (q/k/v and gate/up packed, the scaling in B) and the rank's TP slice in the
+adapter's slot of every LoRA layer's stacked buffers; the other adapter is untouched."""
 
 from __future__ import annotations
 
@@ -24,13 +24,12 @@ from p2psync.worlds import ModelSpec  # noqa: E402
 from tests.helpers.matrix import TRANSPORTS, usable  # noqa: E402
 from tests.helpers.peft_engine import assert_bytes_equal, perturb_first_rows, lora_model, peft_checkpoint  # noqa: E402
 
-TP = 2
 SETTINGS = LoraSettings(max_lora_rank=8, max_loras=2, max_cpu_loras=3)
 MODEL = ModelSpec()
 
 
-def engine_ranks() -> list[Any]:
-    return [lora_rank(MODEL.config_dict(), SETTINGS, tp=TP, rank=r) for r in range(TP)]
+def engine_ranks(tp: int) -> list[Any]:
+    return [lora_rank(MODEL.config_dict(), SETTINGS, tp=tp, rank=r) for r in range(tp)]
 
 
 def held(lora: Any, adapter_id: int) -> dict[str, torch.Tensor]:
@@ -41,10 +40,10 @@ def held(lora: Any, adapter_id: int) -> dict[str, torch.Tensor]:
             **{f"slot {n}": t.clone() for n, t in slot_buffers(lora.worker, slot).items()}}
 
 
-def own_load(model: Any, name: str) -> list[dict[str, torch.Tensor]]:
+def own_load(model: Any, name: str, tp: int) -> list[dict[str, torch.Tensor]]:
     """Per TP rank, what vLLM's own load of the trainer's adapter `name` leaves there."""
     wanted = []
-    for lora in engine_ranks():
+    for lora in engine_ranks(tp):
         add(lora.worker, lora.vllm_config, lora.rank, 1, *peft_checkpoint(model, name))
         wanted.append(held(lora, 1))
     return wanted
@@ -56,12 +55,12 @@ def assert_holds(ranks: list[Any], name: str, wanted: list[dict[str, torch.Tenso
         assert_bytes_equal(got, expected, f"rank {lora.rank}: adapter {name!r}, against vLLM's own load")
 
 
-def serving(transport: str, job: str) -> tuple[Rendezvous, list[Any], list[VllmAdapterSlots]]:
-    """Both TP ranks holding adapters "a" and "b" (vLLM's own load of other random weights than the
+def serving(transport: str, job: str, tp: int = 2) -> tuple[Rendezvous, list[Any], list[VllmAdapterSlots]]:
+    """Every TP rank holding adapters "a" and "b" (vLLM's own load of other random weights than the
     trainer's), served as slots `vllm/a` and `vllm/b`; "a" already active in a slot, "b" not."""
     rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id=job, is_server=True, timeout=60)
     engine = lora_model({"a": 31, "b": 32})
-    ranks, slots = engine_ranks(), []
+    ranks, slots = engine_ranks(tp), []
     for lora in ranks:
         rank_slots = VllmAdapterSlots(lora, rendezvous=rendezvous, transport=transport, prefix="vllm/")
         for name in ("a", "b"):
@@ -71,14 +70,15 @@ def serving(transport: str, job: str) -> tuple[Rendezvous, list[Any], list[VllmA
     return rendezvous, ranks, slots
 
 
-@pytest.mark.parametrize("transport", [
-    pytest.param(t, marks=pytest.mark.conformance(trainer="fsdp2", engine="vllm", transport=t, via="peft lora"))
+@pytest.mark.parametrize(("transport", "tp"), [
+    pytest.param(t, 2, marks=pytest.mark.conformance(trainer="fsdp2", engine="vllm", transport=t, via="peft lora"))
     for t in TRANSPORTS
-])
-def test_two_adapters_of_vllm_ranks_are_updated_independently_bit_exact_with_vllms_own_load(transport):
+] + [pytest.param("mooncake", 1, marks=pytest.mark.conformance(trainer="fsdp2", engine="vllm", transport="mooncake",
+                                                                via="peft lora, TP 1"))])
+def test_two_adapters_of_vllm_ranks_are_updated_independently_bit_exact_with_vllms_own_load(transport, tp):
     usable("transports", transport)
     trainer = lora_model({"default": 41, "other": 42})
-    rendezvous, ranks, slots = serving(transport, f"vllm-lora-{transport}")
+    rendezvous, ranks, slots = serving(transport, f"vllm-lora-{transport}-{tp}", tp)
     try:
         b_before = [held(lora, lora.ids["b"]) for lora in ranks]
         with Session(source=LoraSource(trainer, adapter="default"), transport=transport, rendezvous=rendezvous,
@@ -89,16 +89,16 @@ def test_two_adapters_of_vllm_ranks_are_updated_independently_bit_exact_with_vll
                     perturb_first_rows(trainer, "default", seed=n)
                 report = into_a.update(version)
                 assert report.ok, report.format()
-                assert_holds(ranks, "a", own_load(trainer, "default"))
+                assert_holds(ranks, "a", own_load(trainer, "default", tp))
                 for lora, before in zip(ranks, b_before):  # the other adapter untouched
                     now = held(lora, lora.ids["b"])
                     assert all(torch.equal(t, now[k]) for k, t in before.items())
         with Session(source=LoraSource(trainer, adapter="other"), transport=transport, rendezvous=rendezvous) as into_b:
             into_b.connect(["vllm/b"])
             assert into_b.update("b-1").ok
-        assert_holds(ranks, "b", own_load(trainer, "other"))
-        assert_holds(ranks, "a", own_load(trainer, "default"))
-        assert [(s.endpoints["a"].version, s.endpoints["b"].version) for s in slots] == [("a-2", "b-1")] * TP
+        assert_holds(ranks, "b", own_load(trainer, "other", tp))
+        assert_holds(ranks, "a", own_load(trainer, "default", tp))
+        assert [(s.endpoints["a"].version, s.endpoints["b"].version) for s in slots] == [("a-2", "b-1")] * tp
     finally:
         for rank_slots in slots:
             rank_slots.close()
