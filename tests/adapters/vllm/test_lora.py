@@ -22,7 +22,8 @@ from p2psync.adapters.vllm import LoraSettings, VllmAdapterSlots, lora_rank  # n
 from p2psync.adapters.vllm.lora_shim import adapter, add, host_weights, slot_buffers, slot_of  # noqa: E402
 from p2psync.worlds import ModelSpec  # noqa: E402
 from tests.helpers.matrix import TRANSPORTS, usable  # noqa: E402
-from tests.helpers.peft_engine import assert_bytes_equal, perturb_first_rows, lora_model, peft_checkpoint  # noqa: E402
+from tests.helpers.lora_slots import SlotEngine, check_two_adapters_updated_independently, serving  # noqa: E402
+from tests.helpers.peft_engine import lora_model, peft_checkpoint  # noqa: E402
 
 SETTINGS = LoraSettings(max_lora_rank=8, max_loras=2, max_cpu_loras=3)
 MODEL = ModelSpec()
@@ -32,42 +33,23 @@ def engine_ranks(tp: int) -> list[Any]:
     return [lora_rank(MODEL.config_dict(), SETTINGS, tp=tp, rank=r) for r in range(tp)]
 
 
-def held(lora: Any, adapter_id: int) -> dict[str, torch.Tensor]:
-    """The adapter's bytes on one rank: its host copy, and its slot (vLLM activating it there
-    first where it holds none, as a batch using it would)."""
+def held(lora: Any, name: str) -> dict[str, torch.Tensor]:
+    adapter_id = lora.ids[name]
     slot = slot_of(lora.worker, lora.vllm_config, lora.rank, adapter_id)
     return {**{f"host {n}": t.clone() for n, t in host_weights(adapter(lora.worker, adapter_id)).items()},
             **{f"slot {n}": t.clone() for n, t in slot_buffers(lora.worker, slot).items()}}
 
 
-def own_load(model: Any, name: str, tp: int) -> list[dict[str, torch.Tensor]]:
-    """Per TP rank, what vLLM's own load of the trainer's adapter `name` leaves there."""
-    wanted = []
-    for lora in engine_ranks(tp):
-        add(lora.worker, lora.vllm_config, lora.rank, 1, *peft_checkpoint(model, name))
-        wanted.append(held(lora, 1))
-    return wanted
+def own_load(lora: Any, name: str, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    add(lora.worker, lora.vllm_config, lora.rank, 1, tensors, config)  # vLLM's from_lora_tensors and add_adapter
+    lora.ids[name] = 1
 
 
-def assert_holds(ranks: list[Any], name: str, wanted: list[dict[str, torch.Tensor]]) -> None:
-    for lora, expected in zip(ranks, wanted):
-        got = held(lora, lora.ids[name])
-        assert_bytes_equal(got, expected, f"rank {lora.rank}: adapter {name!r}, against vLLM's own load")
+def slots(lora: Any, rendezvous: Rendezvous, transport: str) -> VllmAdapterSlots:
+    return VllmAdapterSlots(lora, rendezvous=rendezvous, transport=transport, prefix="vllm/")
 
 
-def serving(transport: str, job: str, tp: int = 2) -> tuple[Rendezvous, list[Any], list[VllmAdapterSlots]]:
-    """Every TP rank holding adapters "a" and "b" (vLLM's own load of other random weights than the
-    trainer's), served as slots `vllm/a` and `vllm/b`; "a" already active in a slot, "b" not."""
-    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id=job, is_server=True, timeout=60)
-    engine = lora_model({"a": 31, "b": 32})
-    ranks, slots = engine_ranks(tp), []
-    for lora in ranks:
-        rank_slots = VllmAdapterSlots(lora, rendezvous=rendezvous, transport=transport, prefix="vllm/")
-        for name in ("a", "b"):
-            rank_slots.load(name, *peft_checkpoint(engine, name))
-        slot_of(lora.worker, lora.vllm_config, lora.rank, lora.ids["a"])
-        slots.append(rank_slots)
-    return rendezvous, ranks, slots
+VLLM = SlotEngine(name="vllm", ranks=engine_ranks, slots=slots, held=held, own_load=own_load)
 
 
 @pytest.mark.parametrize(("transport", "tp"), [
@@ -77,35 +59,11 @@ def serving(transport: str, job: str, tp: int = 2) -> tuple[Rendezvous, list[Any
                                                                 via="peft lora, TP 1"))])
 def test_two_adapters_of_vllm_ranks_are_updated_independently_bit_exact_with_vllms_own_load(transport, tp):
     usable("transports", transport)
-    trainer = lora_model({"default": 41, "other": 42})
-    rendezvous, ranks, slots = serving(transport, f"vllm-lora-{transport}-{tp}", tp)
-    try:
-        b_before = [held(lora, lora.ids["b"]) for lora in ranks]
-        with Session(source=LoraSource(trainer, adapter="default"), transport=transport, rendezvous=rendezvous,
-                     check=True, delta=True) as into_a:
-            into_a.connect(["vllm/a"])
-            for n, version in enumerate(("a-1", "a-2")):
-                if n:
-                    perturb_first_rows(trainer, "default", seed=n)
-                report = into_a.update(version)
-                assert report.ok, report.format()
-                assert_holds(ranks, "a", own_load(trainer, "default", tp))
-                for lora, before in zip(ranks, b_before):  # the other adapter untouched
-                    now = held(lora, lora.ids["b"])
-                    assert all(torch.equal(t, now[k]) for k, t in before.items())
-        with Session(source=LoraSource(trainer, adapter="other"), transport=transport, rendezvous=rendezvous) as into_b:
-            into_b.connect(["vllm/b"])
-            assert into_b.update("b-1").ok
-        assert_holds(ranks, "b", own_load(trainer, "other", tp))
-        assert_holds(ranks, "a", own_load(trainer, "default", tp))
-        assert [(s.endpoints["a"].version, s.endpoints["b"].version) for s in slots] == [("a-2", "b-1")] * tp
-    finally:
-        for rank_slots in slots:
-            rank_slots.close()
+    check_two_adapters_updated_independently(VLLM, transport, tp)
 
 
 def test_what_vllm_would_serve_otherwise_is_refused_naming_engine_rank_and_adapter():
-    rendezvous, ranks, slots = serving("samehost", "vllm-lora-refusals")
+    rendezvous, ranks, slots = serving(VLLM, "samehost", "vllm-lora-refusals")
     try:
         with pytest.raises(ValueError, match=r"rank 0: vLLM refused LoRA adapter 'wide': .*rank"):
             slots[0].load("wide", *peft_checkpoint(lora_model({"wide": 51}, r=16), "wide"))  # above --max-lora-rank
@@ -114,14 +72,14 @@ def test_what_vllm_would_serve_otherwise_is_refused_naming_engine_rank_and_adapt
         slots[0].load("c", *peft_checkpoint(lora_model({"c": 52}), "c"))
         with pytest.raises(ValueError, match=r"rank 0: cannot load LoRA adapter 'd': the engine holds 3 adapters"):
             slots[0].load("d", *peft_checkpoint(lora_model({"d": 53}), "d"))
-        before = [held(lora, lora.ids["a"]) for lora in ranks]
+        before = [held(lora, "a") for lora in ranks]
         with Session(source=LoraSource(lora_model({"default": 53}, r=8)), transport="samehost",
                      rendezvous=rendezvous) as session:
             with pytest.raises(ConnectError, match=r"engine 'vllm/a' rank 0: its LoRA adapter slot 'a' does not "
                                                    r"match the trainer's adapter 'default': r 4 there, 8 here"):
                 session.connect(["vllm/a"])
         for lora, wanted in zip(ranks, before):  # nothing written
-            got = held(lora, lora.ids["a"])
+            got = held(lora, "a")
             assert all(torch.equal(t, got[k]) for k, t in wanted.items())
     finally:
         for rank_slots in slots:
