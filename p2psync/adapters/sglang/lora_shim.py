@@ -12,7 +12,7 @@ only when a function is called.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +21,7 @@ import torch
 
 from ...layouts import RankModel
 from ...layouts.rank_model import parameter_tree
-from .shim import SglangRankModel
+from .shim import SglangRankModel, unpin_without_cuda
 
 #: sglang's LoRA kernels that run without CUDA.
 CPU_BACKEND = "torch_native"
@@ -36,35 +36,6 @@ class LoraSettings:
     target_modules: tuple[str, ...]
     max_loras_per_batch: int = 2
     max_loaded_loras: int = 4
-
-
-#: The tensor factories sglang's LoRA code asks for pinned memory (`pin_memory=True`).
-_PINNING_FACTORIES = ("tensor", "empty", "zeros", "ones", "full", "arange")
-
-
-def unpin_without_cuda() -> Callable[[], None]:
-    """sglang's LoRA layers, backends and pool stage host copies in pinned memory, which needs a
-    CUDA driver; without one nothing is copied to a device, so the tensors stay pageable.
-    Returns what undoes it."""
-    if torch.cuda.is_available():
-        return lambda: None
-    originals = {name: getattr(torch, name) for name in _PINNING_FACTORIES}
-    pin = torch.Tensor.pin_memory
-
-    def unpinned(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        def make(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
-            return factory(*args, **kwargs)
-        return make
-
-    def undo() -> None:
-        for name, factory in originals.items():
-            setattr(torch, name, factory)
-        torch.Tensor.pin_memory = pin  # type: ignore[method-assign]
-
-    for name, factory in originals.items():
-        setattr(torch, name, unpinned(factory))
-    torch.Tensor.pin_memory = lambda self, *a, **k: self  # type: ignore[method-assign]
-    return undo
 
 
 @contextmanager

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -361,11 +361,38 @@ def patch_server_for_cpu() -> None:
     from sglang.srt.model_loader import loader, remote_instance_weight_loader_utils as utils
 
     transporter.register_memory_region = utils.register_memory_region_v1
-    from .lora_shim import unpin_without_cuda
-
     unpin_without_cuda()
     loader.register_memory_region = utils.register_memory_region_v1
     torch.cuda.synchronize = _no_device_to_wait_for
+
+
+#: The tensor factories sglang's LoRA code asks for pinned memory (`pin_memory=True`).
+_PINNING_FACTORIES = ("tensor", "empty", "zeros", "ones", "full", "arange")
+
+
+def unpin_without_cuda() -> Callable[[], None]:
+    """sglang's LoRA layers, backends and pool stage host copies in pinned memory, which needs a
+    CUDA driver; without one nothing is copied to a device, so the tensors stay pageable.
+    Returns what undoes it."""
+    if torch.cuda.is_available():
+        return lambda: None
+    originals = {name: getattr(torch, name) for name in _PINNING_FACTORIES}
+    pin = torch.Tensor.pin_memory
+
+    def unpinned(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def make(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+            return factory(*args, **kwargs)
+        return make
+
+    def undo() -> None:
+        for name, factory in originals.items():
+            setattr(torch, name, factory)
+        torch.Tensor.pin_memory = pin  # type: ignore[method-assign]
+
+    for name, factory in originals.items():
+        setattr(torch, name, unpinned(factory))
+    torch.Tensor.pin_memory = lambda self, *a, **k: self  # type: ignore[method-assign]
+    return undo
 
 
 def _no_device_to_wait_for(*args: Any, **kwargs: Any) -> None:
