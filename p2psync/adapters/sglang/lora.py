@@ -19,7 +19,7 @@ from ...engine.hooks import EngineHooks
 from ...engine.slots import AdapterSlots
 from ..peft.lora import LORA_KEY, settings_of
 from .key import config_hash
-from .lora_shim import LoraSettings, adapter_config, host_weights, lora_id, refresh_slot
+from .lora_shim import LoraSettings, adapter_config, host_weights, lora_id, refresh_slot, wait_for_device
 from .shim import SglangRankModel, hf_config_dict
 
 if TYPE_CHECKING:
@@ -93,6 +93,7 @@ def serve_lora(
         run_between_batches = lora.between_batches
 
         def apply() -> None:
+            wait_for_device()  # overlap scheduling: the last batch's forward may still read the slot
             for name, tensor in params.items():
                 host[name].copy_(tensor)
             refresh_slot(lora.rank_model, lora.manager, uid)

@@ -135,6 +135,13 @@ def refresh_slot(rank_model: SglangRankModel, manager: Any, uid: str) -> None:
     manager._notify_lora_slots_updated({slot})
 
 
+def wait_for_device() -> None:
+    """Wait until the device has run every kernel queued so far (none without CUDA). sglang's
+    overlap scheduler queues the next batch's preparation while the last forward still runs."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def slot_of(rank_model: SglangRankModel, manager: Any, uid: str) -> int:
     """The adapter's pool slot, sglang loading it there first if it holds none (as a batch that
     uses it would)."""
