@@ -36,7 +36,8 @@ ENGINE = "vllm-lora"
 @dataclass
 class LoraRank:
     """One TP rank of a vLLM engine serving LoRA: its config (LoRA enabled), its worker LoRA
-    manager, and the adapters it holds by name (vLLM knows them by integer id)."""
+    manager, and the adapters it holds by name (vLLM knows them by integer id): an adapter
+    loaded outside `VllmAdapterSlots.load` is served once `ids` and `configs` name it."""
 
     vllm_config: Any
     worker: Any  # vLLM's LRUCacheWorkerLoRAManager of the rank
