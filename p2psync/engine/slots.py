@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -70,3 +70,21 @@ class AdapterSlots(ABC):
         for endpoint in self.endpoints.values():
             endpoint.close()
         self.endpoints.clear()
+
+
+class EngineRank(Protocol):
+    """One rank of an engine with its own LoRA manager, as its slots see it."""
+
+    rank: int
+
+    @property
+    def world_size(self) -> int: ...
+
+
+class EngineRankSlots(AdapterSlots):
+    """The adapter slots of one rank of an engine that manages adapters itself (sglang's,
+    vLLM's LoRA managers): `lora`, the rank, gives the slots' rank and world size."""
+
+    def __init__(self, lora: EngineRank, *, rendezvous: Rendezvous, transport: str, prefix: str = "") -> None:
+        super().__init__(rendezvous=rendezvous, transport=transport, prefix=prefix, rank=lora.rank,
+                         world_size=lora.world_size)

@@ -83,9 +83,16 @@ def lora_config(model: torch.nn.Module, adapter: str) -> dict[str, Any]:
 def settings_of(config: Any) -> dict[str, Any]:
     """`CONFIG_FIELDS` of a PEFT LoraConfig, or of its fields as `adapter_config.json` holds them."""
     get = config.get if isinstance(config, Mapping) else lambda field: getattr(config, field, None)
-    out = {field: get(field) for field in CONFIG_FIELDS}
-    modules = out["target_modules"]
-    out["target_modules"] = sorted(modules) if isinstance(modules, (set, list, tuple)) else modules
+    return json_ready({field: get(field) for field in CONFIG_FIELDS})
+
+
+def json_ready(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Adapter config fields with `target_modules` (a set in PEFT's LoraConfig) as a sorted list,
+    so that tables and layout keys compare equal."""
+    out = dict(config)
+    modules = out.get("target_modules")
+    if isinstance(modules, (set, list, tuple)):
+        out["target_modules"] = sorted(modules)
     return out
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...engine.endpoint import EngineEndpoint
 from ...engine.hooks import EngineHooks
-from ...engine.slots import AdapterSlots
+from ...engine.slots import EngineRankSlots
 from ..peft.lora import LORA_KEY, settings_of
 from .key import config_hash
 from .lora_shim import LoraSettings, adapter_config, host_weights, lora_id, refresh_slot, wait_for_device
@@ -112,12 +112,13 @@ def serve_lora(
     )
 
 
-class SglangAdapterSlots(AdapterSlots):
+class SglangAdapterSlots(EngineRankSlots):
     """The adapter slots of one sglang rank (`engine.slots.AdapterSlots`), served with `serve_lora`."""
 
+    lora: LoraRank
+
     def __init__(self, lora: LoraRank, *, rendezvous: Rendezvous, transport: str, prefix: str = "") -> None:
-        super().__init__(rendezvous=rendezvous, transport=transport, prefix=prefix, rank=lora.rank,
-                         world_size=lora.world_size)
+        super().__init__(lora, rendezvous=rendezvous, transport=transport, prefix=prefix)
         self.lora = lora
 
     def load(self, adapter: str, tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any],

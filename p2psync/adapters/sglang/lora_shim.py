@@ -101,11 +101,9 @@ def lora_id(manager: Any, name: str) -> str:
 
 def adapter_config(manager: Any, uid: str) -> dict[str, Any]:
     """The adapter's PEFT config as sglang read it (JSON-ready)."""
-    config = dict(manager.configs[uid].hf_config)
-    modules = config.get("target_modules")
-    if isinstance(modules, (set, list, tuple)):
-        config["target_modules"] = sorted(modules)
-    return config
+    from ..peft.lora import json_ready
+
+    return json_ready(manager.configs[uid].hf_config)
 
 
 def host_weights(manager: Any, uid: str) -> dict[str, torch.Tensor]:

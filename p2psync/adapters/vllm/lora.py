@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from ...engine.endpoint import EngineEndpoint
 from ...engine.hooks import EngineHooks
-from ...engine.slots import AdapterSlots
-from ..peft.lora import LORA_KEY, settings_of
+from ...engine.slots import EngineRankSlots
+from ..peft.lora import LORA_KEY, json_ready, settings_of
 from .lora_shim import LoraSettings, adapter, host_weights, refresh_slot
 
 if TYPE_CHECKING:
@@ -100,12 +100,13 @@ def serve_lora(
     )
 
 
-class VllmAdapterSlots(AdapterSlots):
+class VllmAdapterSlots(EngineRankSlots):
     """The adapter slots of one vLLM rank (`engine.slots.AdapterSlots`), served with `serve_lora`."""
 
+    lora: LoraRank
+
     def __init__(self, lora: LoraRank, *, rendezvous: Rendezvous, transport: str, prefix: str = "") -> None:
-        super().__init__(rendezvous=rendezvous, transport=transport, prefix=prefix, rank=lora.rank,
-                         world_size=lora.world_size)
+        super().__init__(lora, rendezvous=rendezvous, transport=transport, prefix=prefix)
         self.lora = lora
 
     def load(self, name: str, tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any],
@@ -120,7 +121,7 @@ class VllmAdapterSlots(AdapterSlots):
 
         def load() -> None:
             add(self.lora.worker, self.lora.vllm_config, self.rank, adapter_id, tensors, config)
-            self.lora.ids[name], self.lora.configs[name] = adapter_id, _json_ready(config)
+            self.lora.ids[name], self.lora.configs[name] = adapter_id, json_ready(config)
 
         return self._load_new(name, load, engine="vLLM", held=len(self.lora.ids),
                               limit=self.lora.settings.max_cpu_loras, limit_flag="--max-cpu-loras", **options)
@@ -135,9 +136,3 @@ class VllmAdapterSlots(AdapterSlots):
         remove(self.lora.worker, self.lora.ids.pop(adapter))
         self.lora.configs.pop(adapter)
 
-
-def _json_ready(config: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(config)
-    if isinstance(out.get("target_modules"), (set, list, tuple)):
-        out["target_modules"] = sorted(out["target_modules"])
-    return out

@@ -11,17 +11,15 @@ slot, if it holds one (`refresh_slot`). vLLM is imported only when a function is
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import torch
 
 from ...layouts import RankModel
 from ...layouts.rank_model import parameter_tree
-from .shim import _config_dir, build_model, import_vllm, rank_state
+from .shim import build_model, engine_config, rank_state
 
 
 @dataclass(frozen=True)
@@ -35,21 +33,12 @@ class LoraSettings:
 
 
 def lora_engine_config(hf_config: Mapping[str, Any], *, tp: int, dtype: str, settings: LoraSettings) -> Any:
-    """A VllmConfig with LoRA enabled (`settings`), built without weights, tokenizer or devices."""
-    return _lora_engine_config(json.dumps(dict(hf_config), sort_keys=True), tp, dtype, settings)
-
-
-@lru_cache(maxsize=8)
-def _lora_engine_config(config_json: str, tp: int, dtype: str, settings: LoraSettings) -> Any:
-    import_vllm()
-    from vllm.engine.arg_utils import EngineArgs
-
-    return EngineArgs(
-        model=_config_dir(config_json), tensor_parallel_size=tp, dtype=dtype, skip_tokenizer_init=True,
-        enforce_eager=True, load_format="dummy", enable_lora=True, max_lora_rank=settings.max_lora_rank,
-        max_loras=settings.max_loras, max_cpu_loras=settings.max_cpu_loras, max_num_seqs=4,
-        max_num_batched_tokens=256, max_model_len=256,
-    ).create_engine_config()
+    """A VllmConfig with LoRA enabled (`settings`), built without weights, tokenizer or devices
+    (few sequences and tokens: LoRA's batch metadata is sized by them)."""
+    lora = (("enable_lora", True), ("max_lora_rank", settings.max_lora_rank), ("max_loras", settings.max_loras),
+            ("max_cpu_loras", settings.max_cpu_loras), ("max_num_seqs", 4), ("max_num_batched_tokens", 256),
+            ("max_model_len", 256))
+    return engine_config(hf_config, tp=tp, dtype=dtype, extra=lora)
 
 
 def build_lora_manager(vllm_config: Any, rank: int, device: str) -> tuple[torch.nn.Module, Any]:

@@ -16,7 +16,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -61,22 +61,25 @@ def _config_dir(config_json: str) -> str:
     return path
 
 
-def engine_config(hf_config: dict[str, Any], *, tp: int, dtype: str) -> Any:
-    """A VllmConfig for `hf_config` at TP size `tp`, built without weights, tokenizer or devices.
+def engine_config(
+    hf_config: Mapping[str, Any], *, tp: int, dtype: str, extra: tuple[tuple[str, Any], ...] = (),
+) -> Any:
+    """A VllmConfig for `hf_config` at TP size `tp`, built without weights, tokenizer or devices;
+    `extra`: more engine arguments (LoRA's), as (name, value) pairs.
 
     Cached: building one takes seconds, and every rank of an engine needs the same one."""
-    return _engine_config(json.dumps(hf_config, sort_keys=True), tp, dtype)
+    return _engine_config(json.dumps(dict(hf_config), sort_keys=True), tp, dtype, extra)
 
 
 @lru_cache(maxsize=16)
-def _engine_config(config_json: str, tp: int, dtype: str) -> Any:
+def _engine_config(config_json: str, tp: int, dtype: str, extra: tuple[tuple[str, Any], ...]) -> Any:
     import_vllm()
     from vllm.engine.arg_utils import EngineArgs
 
     path = _config_dir(config_json)
     return EngineArgs(
         model=path, tensor_parallel_size=tp, dtype=dtype, skip_tokenizer_init=True,
-        enforce_eager=True, load_format="dummy",
+        enforce_eager=True, load_format="dummy", **dict(extra),
     ).create_engine_config()
 
 
