@@ -43,10 +43,13 @@ class Heads:
     head_dim: int
 
 
-def split(full: torch.Tensor, how: Split, heads: Heads | None = None) -> tuple[torch.Tensor, ...]:
-    """HF tensors of one full Megatron tensor, in the order of the rule's names."""
+def split(full: torch.Tensor, how: Split, heads: Heads | None = None, copies: int = 1) -> tuple[torch.Tensor, ...]:
+    """HF tensors of one full Megatron tensor, in the order of the rule's names (`copies` of them
+    where the rule repeats it)."""
     if how is Split.COPY:
         return (full,)
+    if how is Split.REPEAT:
+        return (full,) * copies
     if how is Split.GATE_UP:
         gate, up = full.chunk(2, 0)
         return gate, up

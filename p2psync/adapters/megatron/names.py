@@ -21,14 +21,18 @@ class Split(Enum):
     COPY = "copy"
     QKV = "qkv"  # [q x heads_per_group, k, v] per KV group -> q, k, v
     GATE_UP = "gate_up"  # [gate; up] -> gate, up
+    REPEAT = "repeat"  # one tensor -> the same tensor under each name (a fused linear's LoRA A)
 
 
 @dataclass(frozen=True)
 class Rule:
-    """HF name templates (with `{layer}` / `{expert}`) for one canonical Megatron name."""
+    """HF name templates (with `{layer}` / `{expert}`) for one canonical Megatron name.
+    `stride`: the TP partition stride to unshard with, where the tensor's own attribute does not
+    say it (a LoRA B of gated `linear_fc1`: each rank's rows are its [gate; up], as the base's)."""
 
     hf: tuple[str, ...]
     split: Split = Split.COPY
+    stride: int | None = None
 
 
 _L = "model.layers.{layer}."

@@ -77,6 +77,9 @@ def place(
     vocabulary is padded). None where the conversion is not described here (split along a
     dimension other than 0 or 1, a fused tensor split along 1, shapes that do not divide):
     that tensor is gathered."""
+    if how is Split.REPEAT:
+        once = place(shape, sharding, Split.COPY, heads, rows[:1])
+        return None if once is None else once * len(rows)
     if not shape or sharding.dim not in (0, 1) or shape[sharding.dim] % sharding.stride:
         return None
     if sharding.dim == 1:

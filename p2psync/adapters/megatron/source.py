@@ -28,7 +28,7 @@ Gathering, per bucket:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING, Any
@@ -61,8 +61,14 @@ class _Entry:
 
     @property
     def partition(self) -> tuple[int, int]:
-        """`(partition_dim, partition_stride)`: the attributes Megatron sets on a tensor-parallel parameter."""
-        return self.tensor.partition_dim, self.tensor.partition_stride  # type: ignore[attr-defined]
+        """`(partition_dim, partition_stride)`: the attributes Megatron sets on a tensor-parallel
+        parameter (the stride the rule's, where it says one)."""
+        stride = self.rule.stride or self.tensor.partition_stride  # type: ignore[attr-defined]
+        return self.tensor.partition_dim, stride  # type: ignore[attr-defined]
+
+    def split(self, full: torch.Tensor, heads: Heads) -> tuple[torch.Tensor, ...]:
+        """The HF tensors of this entry's full tensor `full`, in the order of `hf`."""
+        return split(full, self.rule.split, heads, copies=len(self.hf))
 
 
 def unwrap(model: Any) -> Any:
@@ -77,7 +83,8 @@ class MegatronSource(TrainerSource):
 
     `architecture` is the HF `model_type` whose names to produce (see
     `names.ARCHITECTURES`, or pass `rules`). `vocab_size` drops Megatron's vocabulary
-    padding from the embedding and output rows. Construct on every rank after
+    padding from the embedding and output rows. `select`: which Megatron parameters to send
+    (default all; the others need no rule). Construct on every rank after
     `parallel_state.initialize_model_parallel`.
     """
 
@@ -91,6 +98,7 @@ class MegatronSource(TrainerSource):
         *,
         vocab_size: int | None = None,
         rules: Mapping[str, Rule] | None = None,
+        select: Callable[[str], bool] | None = None,
     ) -> None:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
@@ -115,6 +123,7 @@ class MegatronSource(TrainerSource):
         self._group = SenderGroup(
             f"pp{ps.get_pipeline_model_parallel_rank()}", tuple(dist.get_process_group_ranks(stage)), dist.get_rank()
         )
+        self._select = select
         self._entries = self._build(chunks, dict(rules) if rules is not None else table(architecture), architecture)
         self._by_hf = {name: e for e in self._entries for name in e.hf}
         self._specs = [spec for e in self._entries for spec in self._entry_specs(e)]
@@ -128,6 +137,8 @@ class MegatronSource(TrainerSource):
         keyed: list[tuple[tuple[int, int, int], _Entry]] = []
         expert_block: dict[tuple[int, int | None], int] = {}
         for index, (c, name, tensor) in enumerate(_tensors(chunks)):
+            if self._select is not None and not self._select(name):
+                continue
             canon = canonical(name)
             rule = rules.get(canon.name)
             if rule is None:
@@ -154,7 +165,7 @@ class MegatronSource(TrainerSource):
         if getattr(entry.tensor, "tensor_model_parallel", False):
             shape[entry.partition[0]] *= self._group_size(entry)
         dtype = str(entry.tensor.dtype).removeprefix("torch.")
-        for name, t in zip(entry.hf, split(torch.empty(shape, device="meta"), entry.rule.split, self._heads)):
+        for name, t in zip(entry.hf, entry.split(torch.empty(shape, device="meta"), self._heads)):
             yield ParamSpec(name, tuple(self._trim(name, t).shape), dtype)
 
     def _group_size(self, entry: _Entry) -> int:
@@ -185,7 +196,7 @@ class MegatronSource(TrainerSource):
         for entry in entries:
             if entry.owner is None or entry.owner == self._ep_rank:
                 full = self._unshard(entry)
-                for name, t in zip(entry.hf, split(full, entry.rule.split, self._heads)):
+                for name, t in zip(entry.hf, entry.split(full, self._heads)):
                     if name in wanted:
                         out[name] = self._trim(name, t)
         if len(self._ep_ranks) > 1:

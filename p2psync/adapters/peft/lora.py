@@ -96,6 +96,24 @@ def json_ready(config: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def check_slot(table: TargetTable, adapter: str, config: Mapping[str, Any]) -> None:
+    """Refuse (ConnectError naming engine, rank and adapter) an engine table that is no adapter
+    slot, or whose adapter's `CONFIG_FIELDS` differ from the trainer's adapter `config`."""
+    slot = table.extra.get(LORA_KEY)
+    if slot is None:
+        raise ConnectError(
+            f"{where(table.engine_id, table.rank)} publishes no LoRA adapter slot; LoRA adapter "
+            f"{adapter!r} updates only adapter slots (serve_lora)"
+        )
+    differ = [f"{field} {slot.get(field)!r} there, {config[field]!r} here"
+              for field in CONFIG_FIELDS if slot.get(field) != config[field]]
+    if differ:
+        raise ConnectError(
+            f"{where(table.engine_id, table.rank)}: its LoRA adapter slot {slot.get('adapter')!r} does not "
+            f"match the trainer's adapter {adapter!r}: {'; '.join(differ)}"
+        )
+
+
 class LoraSource(FSDP2Source):
     """One LoRA adapter of a PEFT model (FSDP2-sharded or whole): its A and B tensors under
     PEFT's checkpoint names; the base weights are not sent."""
@@ -112,19 +130,7 @@ class LoraSource(FSDP2Source):
             raise ValueError(f"LoRA adapter {adapter!r} has no parameters")
 
     def check_table(self, table: TargetTable) -> None:
-        slot = table.extra.get(LORA_KEY)
-        if slot is None:
-            raise ConnectError(
-                f"{where(table.engine_id, table.rank)} publishes no LoRA adapter slot; LoRA adapter "
-                f"{self.adapter!r} updates only adapter slots (serve_lora)"
-            )
-        differ = [f"{field} {slot.get(field)!r} there, {self.config[field]!r} here"
-                  for field in CONFIG_FIELDS if slot.get(field) != self.config[field]]
-        if differ:
-            raise ConnectError(
-                f"{where(table.engine_id, table.rank)}: its LoRA adapter slot {slot.get('adapter')!r} does not "
-                f"match the trainer's adapter {self.adapter!r}: {'; '.join(differ)}"
-            )
+        check_slot(table, self.adapter, self.config)
 
 
 def serve_lora(
