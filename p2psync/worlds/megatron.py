@@ -190,6 +190,95 @@ def bridge_mapping_modules() -> None:
             sys.modules[module.__name__] = module
 
 
+def bridge_peft_modules() -> None:
+    """Make Megatron-Bridge's LoRA (`peft/lora.py`) and its adapter export (`peft_bridge.py`)
+    importable without Transformer Engine. Both import `transformer_engine.pytorch` at module
+    level, for TE's linears only: while they import, a stand-in whose classes nothing is an
+    instance of takes its place, so Bridge takes its Megatron-Core paths (`ColumnParallelLinear`,
+    `RowParallelLinear`) as on a model built without TE, and is told TE's real state (it takes
+    the mocks megatron-core puts in place of TE's linears for TE). Megatron-Core is imported first
+    and the stand-in removed after, so no other code sees it."""
+    import sys
+    import types
+
+    import megatron.core.dist_checkpointing.mapping
+    import megatron.core.tensor_parallel
+    import megatron.core.transformer.mlp
+    import megatron.core.transformer.moe.moe_utils
+    import megatron.core.transformer.moe.router  # noqa: F401
+
+    bridge_mapping_modules()
+    if "megatron.bridge.models.conversion.model_bridge" in sys.modules:
+        return
+
+    class _Stand(torch.nn.Module):
+        """A Transformer Engine class: never instantiated here."""
+
+    class _Ops(types.ModuleType):
+        def __getattr__(self, name: str) -> type:
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return type(name, (_Stand,), {})
+
+    te = types.ModuleType("transformer_engine")
+    te.__path__ = []
+    te_torch = types.ModuleType("transformer_engine.pytorch")
+    vars(te_torch).update(Linear=type("Linear", (_Stand,), {}), LayerNormLinear=type("LayerNormLinear", (_Stand,), {}),
+                          ops=_Ops("transformer_engine.pytorch.ops"))
+    vars(te).update(pytorch=te_torch)
+    before = {name: sys.modules.get(name) for name in (te.__name__, te_torch.__name__)}
+    sys.modules.update({te.__name__: te, te_torch.__name__: te_torch})
+    try:
+        import megatron.bridge.models.conversion.model_bridge
+        import megatron.bridge.peft.lora  # noqa: F401
+    finally:
+        for name, module in before.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+    # megatron-core stands mocks in for TE's linears where TE is absent; Bridge takes them for TE
+    from megatron.bridge.peft import utils
+    from megatron.core.extensions import transformer_engine
+
+    utils.HAVE_TE = transformer_engine.HAVE_TE
+
+
+def bridge_lora(model: Any, *, dim: int, alpha: int, seed: int) -> Any:
+    """`model` with Megatron-Bridge's own LoRA applied (`megatron.bridge.peft.lora.LoRA`, its
+    default targets: every linear_qkv, linear_proj, linear_fc1 and linear_fc2), each adapter
+    weight drawn from `seed` and this rank's TP and PP ranks (Bridge starts B at zeros, which
+    would leave nothing to tell apart)."""
+    from megatron.core import parallel_state as ps
+
+    bridge_peft_modules()
+    from megatron.bridge.peft.lora import LoRA
+
+    model = LoRA(dim=dim, alpha=alpha)(model, training=True)
+    where = ps.get_pipeline_model_parallel_rank() * 100 + ps.get_tensor_model_parallel_rank()
+    generator = torch.Generator().manual_seed(seed * 10_000 + where)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".adapter." in name:
+                param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.1)
+    return model
+
+
+def bridge_adapter_export(model: Any, registry: Any) -> dict[str, torch.Tensor]:
+    """Megatron-Bridge's own export of `model`'s LoRA adapters as HF PEFT tensors
+    (`MegatronModelBridge.stream_adapter_weights_megatron_to_hf`, collective), converted by
+    `registry` (the base weights' mappings), names as Bridge gives them (no PEFT prefix)."""
+    bridge_peft_modules()
+    from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+
+    class Export(MegatronModelBridge):  # a model bridge of `registry`'s mappings
+        def mapping_registry(self) -> Any:
+            return registry
+
+    return {name: tensor.clone() for name, tensor in Export().stream_adapter_weights_megatron_to_hf(
+        model, cpu=True, show_progress=False)}
+
+
 def bridge_deepseek_registry() -> Any:
     """Megatron-Bridge's own DeepSeek mapping registry (`deepseek/common.py`, the one that needs no
     model bridge class)."""

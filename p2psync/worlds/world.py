@@ -43,11 +43,12 @@ def unavailable(kind: str, name: str) -> str:
 def trainer_unavailable(kind: str) -> str:
     """Why the harness cannot run trainer kind `kind` here, or "". Megatron-Bridge's package does
     not import whole without Transformer Engine (a CUDA build); the harness loads its mapping
-    modules alone (`megatron.bridge_deepseek_registry`), so it needs the package installed only."""
+    modules alone (`megatron.bridge_deepseek_registry`, and its LoRA `megatron.bridge_peft_modules`),
+    so it needs the package installed only."""
     import importlib.util
 
     kind = split_kind(kind)[0]
-    if kind != "megatron-bridge":
+    if kind not in ("megatron-bridge", "megatron-bridge-lora"):
         return unavailable("trainer_sources", kind)
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.bridge") is None:
         return "megatron-bridge is not installed (pip install --no-deps megatron-bridge==0.3.1; environment bridge)"

@@ -14,7 +14,9 @@ import torch
 from p2psync.worlds import TINY_QWEN3, ModelSpec, free_port
 from p2psync.worlds.megatron import (
     Case,
+    bridge_adapter_export,
     bridge_deepseek_registry,
+    bridge_lora,
     bridge_mapping_modules,
     load_hf,
     logits_differ,
@@ -229,6 +231,36 @@ def check_bridge(case: Case, hf: dict[str, torch.Tensor]) -> list[str]:
     if {s.name for s in source.param_specs()} != set(hf):
         errors.append("the source does not yield every HF tensor on every rank")
     errors += shard_errors(source, hf)
+    return [f"rank {dist.get_rank()}: {e}" for e in errors]
+
+
+#: The PEFT settings of the adapter `check_bridge_lora` puts on every model (Bridge's default targets).
+BRIDGE_LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj",
+                                                           "up_proj", "v_proj"], "use_rslora": False, "use_dora": False}
+
+
+def check_bridge_lora(case: Case, hf: dict[str, torch.Tensor]) -> list[str]:
+    """Build `case`, apply Megatron-Bridge's own LoRA to it (`bridge_lora`), and compare what
+    BridgeLoraSource yields, gathered and as local shards (`shard_errors`), with Bridge's own
+    adapter export (`bridge_adapter_export`, PEFT's prefix added), and its settings with the
+    adapters Bridge made."""
+    import torch.distributed as dist
+
+    from p2psync.adapters.megatron.lora import PEFT_PREFIX, BridgeLoraSource
+
+    model = megatron_model(case, hf_config(case.arch, case.variant))
+    load_hf(model, hf, case.arch)
+    model = bridge_lora(model, dim=BRIDGE_LORA["r"], alpha=BRIDGE_LORA["lora_alpha"], seed=5)
+    exported = {PEFT_PREFIX + n: t for n, t in bridge_adapter_export(model, BRIDGE_REGISTRIES[case.arch]()).items()}
+    source = BridgeLoraSource(model, case.arch)
+    errors = compare(source, exported) + shard_errors(source, exported)
+    stages: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(stages, [s.name for s in source.param_specs()])
+    if set().union(*map(set, stages)) != set(exported):
+        errors.append(f"the stages together yield {sorted(set().union(*map(set, stages)) ^ set(exported))[:4]} "
+                      f"apart from Bridge's export")
+    if source.config != BRIDGE_LORA:
+        errors.append(f"settings {source.config} are not the adapters' {BRIDGE_LORA}")
     return [f"rank {dist.get_rank()}: {e}" for e in errors]
 
 
