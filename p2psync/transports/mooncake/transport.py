@@ -23,6 +23,7 @@ from ...core.errors import TransferError
 from ...core.host import local_host
 from ...core.transport import Peer, Transport, WriteBatch
 from ...core.types import TargetTable
+from .pacing import WirePace
 from .startup import StartupFailed, initialize_quietly
 
 if TYPE_CHECKING:
@@ -184,11 +185,13 @@ class MooncakeTransport(Transport):
 
 
 class MooncakePeer(Peer):
-    """Batched asynchronous writes to one engine rank, polled until done or late."""
+    """Batched asynchronous writes to one engine rank, slept through (`WirePace`) and then
+    waited for until done or late."""
 
     def __init__(self, engine: Any, session: str) -> None:
         self.engine = engine
         self.session = session
+        self.pace = WirePace()
 
     def close(self) -> None:
         """Drop the Transfer Engine: once the transport drops it too it is destroyed then, with
@@ -196,19 +199,25 @@ class MooncakePeer(Peer):
         self.engine = None
 
     def write(self, batch: WriteBatch, *, timeout: float) -> None:
-        """Submit the batch and wait for it. `get_batch_transfer_status` waits inside Mooncake
-        until the batch landed, failed or passed Mooncake's own timeout, spinning its thread's
-        core all the while the bytes are on the wire; `transfer_check_status`, which returns at
-        once, says a batch of many writes landed before all of them had (Mooncake 0.3.13: 1672
-        of 2048 rows not yet written), so it cannot be used. `timeout` is therefore kept by the
-        writer: it gives up on a write that overran it (`EngineWriter.wait`), and the next
-        update writes through a new thread (`EngineWriter.successor`)."""
+        """Submit the batch, sleep through most of its expected wire time (`WirePace`), then
+        wait for it. `get_batch_transfer_status` waits inside Mooncake until the batch landed,
+        failed or passed Mooncake's own timeout, spinning its thread's core all the while;
+        `transfer_check_status`, which returns at once, looks at a batch's first write only
+        (Mooncake 0.3.13: 1672 of 2048 rows not yet written when it said done), so it cannot
+        be used. `timeout` is therefore kept by the writer: it gives up on a write that overran
+        it (`EngineWriter.wait`), and the next update writes through a new thread
+        (`EngineWriter.successor`)."""
         if not batch.lengths:
             return
         engine = self.engine  # `close` may drop it while a write is still in here
         batch_id = engine.batch_transfer_async_write(self.session, batch.local, batch.remote, batch.lengths)
         if batch_id == 0:
             raise TransferError(f"Mooncake could not start a write to {self.session}")
+        slept = self.pace.sleep_before_wait(batch.nbytes, timeout)
+        if slept:
+            time.sleep(slept)
+        waited = time.monotonic()
         status = engine.get_batch_transfer_status([batch_id])
+        self.pace.observe(batch.nbytes, slept, time.monotonic() - waited)
         if status != 0:
             raise TransferError(f"Mooncake write of {batch.nbytes} bytes to {self.session} failed (status {status})")
