@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.delta import cheapest, record_bytes
+from .pipeline import chunks_of, pipeline_seconds
 from .predict import Prediction
 
 #: Element sizes of the engines' parameters, by the planner's engine dtype.
@@ -77,8 +78,11 @@ def compared_bytes(p: Prediction) -> int:
     return max(per_sender.values(), default=0)
 
 
-def delta_way(p: Prediction, p2p: dict[str, float], costs: DeltaCosts, produce_gbytes: float) -> dict[str, Any]:
-    """The p2psync way of `whole_update` (`p2p`: its parts, in seconds) in delta mode."""
+def delta_way(
+    p: Prediction, p2p: dict[str, float], costs: DeltaCosts, produce_gbytes: float, bucket_bytes: int
+) -> dict[str, Any]:
+    """The p2psync way of `whole_update` (`p2p`: its parts, in seconds) in delta mode, pipelined
+    over buckets of `bucket_bytes` as the full update is."""
     elem = ELEMENT_BYTES[p.cluster.engine_dtype]
     fraction, kind = wire_fraction(costs.changed_fraction, elem)
     way: dict[str, Any] = dict(p2p)
@@ -86,7 +90,8 @@ def delta_way(p: Prediction, p2p: dict[str, float], costs: DeltaCosts, produce_g
     way["compare_s"] = 3 * compared_bytes(p) / (costs.compare_gbytes * 1e9)
     way["apply_s"] = max(p.receiver_bytes.values()) * fraction / (produce_gbytes * 1e9)
     fixed = way["pause_s"] + way["finish_s"] + way["post_load_s"] + way["apply_s"]
-    way["total_s"] = fixed + max(way["gathers_s"], way["production_s"] + way["compare_s"], way["wire_s"])
+    stages = [way["gathers_s"], way["production_s"] + way["compare_s"], way["wire_s"]]
+    way["total_s"] = fixed + pipeline_seconds(stages, chunks_of(max(p.stage_full_bytes), bucket_bytes))
     way["wire_fraction"] = fraction
     way["model"] = MODEL.format(
         wire=fraction, kind=kind, fraction=costs.changed_fraction, elem=elem, compare=costs.compare_gbytes,

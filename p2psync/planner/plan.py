@@ -36,7 +36,7 @@ def plan_dict(
     d["update"] = whole_update(prediction, trainer, costs)
     if delta is not None:
         d["update"]["ways"]["p2psync-delta"] = delta_way(
-            prediction, d["update"]["ways"]["p2psync"], delta, costs.produce_gbytes
+            prediction, d["update"]["ways"]["p2psync"], delta, costs.produce_gbytes, costs.bucket_bytes
         )
     for s, gathered in zip(d["stages"], d["update"]["stage_gathers"]):
         s["held_bytes_trainer_dtype"] = gathered["held_bytes"]

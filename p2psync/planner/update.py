@@ -17,11 +17,13 @@ not a measurement. The model, printed with every result:
 - wire: the link model of `predict`.
 - control: `pause_s` and `finish_s` (resume, cache flush), and the engines' post-load
   step (fp8: `post_load_gbytes` per engine rank over its bytes).
-- p2psync pipelines gathers, production and the wire bucket by bucket, so the slowest of
-  the three sets the pace. The gather-free way (every trainer rank writes its own shard's
-  contribution: the goal of gather-free resharding) has no gathers, production spread over
-  every trainer rank, and the wire at the plan-independent floor. The broadcast path of
-  miles/slime gathers a bucket, then broadcasts it: gathers, production and wire add up.
+- p2psync pipelines gathers, production and the wire bucket by bucket (`pipeline`: the
+  slowest of the three plus the others' first and last buckets, as measured in the cluster
+  in a box). The gather-free way (every trainer rank writes its own shard's contribution)
+  has no gathers, production spread over every trainer rank, and the wire at the
+  plan-independent floor, pipelined over transfer buffers of the bucket size. The broadcast
+  path of miles/slime gathers a bucket, then broadcasts it: gathers, production and wire
+  add up.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..trainer.options import DEFAULT_BUCKET_BYTES
+from .pipeline import chunks_of, pipeline_seconds
 from .predict import Prediction
 from .shapes import ShapeModel
 
@@ -41,7 +45,8 @@ MODEL = (
     "gathers: per stage, non-expert tensors all-gathered over TP, routed experts over EP x ETP, NVLink "
     "({nvlink:g} GB/s) inside a node, the GPU's NIC share ({nic:.0f} GB/s) across nodes, stages at once; "
     "production {produce:g} GB/s per GPU; pause {pause:g} s, finish {finish:g} s, post-load {post_load}; "
-    "p2psync: max(gathers, production, wire); gather-free: max(production over all trainer ranks, wire floor); "
+    "p2psync: gathers, production and wire pipelined over {bucket_mb:g} MiB buckets; gather-free: production over all "
+    "trainer ranks and wire floor pipelined over transfer buffers of that size; "
     "broadcast: gathers + production + wire + engine load, in series"
 )
 
@@ -53,12 +58,14 @@ class Costs:
     `p2psync bench` measures for its control calls on CPU, rounded up (an engine with requests
     in flight pauses longer: prime-rl reports a 5.2 s pause around a 2.84 s update);
     `post_load_gbytes` None: Kimi-K2's published fp8 post-load rate for fp8 engines, none
-    for bf16 engines (their post-load step only derives small tensors)."""
+    for bf16 engines (their post-load step only derives small tensors); `bucket_bytes` the
+    session's default bucket (and transfer buffer) size."""
 
     produce_gbytes: float = 1000.0
     pause_s: float = 0.05
     finish_s: float = 0.05
     post_load_gbytes: float | None = None
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     def post_load_rate(self, engine_dtype: str) -> float | None:
         """Bytes per second of the engines' post-load step, or None where there is none."""
@@ -97,12 +104,14 @@ def whole_update(p: Prediction, trainer: ShapeModel, costs: Costs) -> dict[str, 
     control = {"pause_s": costs.pause_s, "finish_s": costs.finish_s, "post_load_s": post_load_s}
     fixed = sum(control.values())
     p2p = {"gathers_s": gather_s, "production_s": max(p.sender_bytes.values()) / rate, "wire_s": p.p2p_s, **control}
-    p2p["total_s"] = fixed + max(p2p["gathers_s"], p2p["production_s"], p2p["wire_s"])
+    buckets = chunks_of(max(p.stage_full_bytes), costs.bucket_bytes)
+    p2p["total_s"] = fixed + pipeline_seconds([p2p["gathers_s"], p2p["production_s"], p2p["wire_s"]], buckets)
     gather_free = {
         "gathers_s": 0.0, "production_s": sum(p.sender_bytes.values()) / c.train_ranks / rate, "wire_s": p.floor_s,
         **control,
     }
-    gather_free["total_s"] = fixed + max(gather_free["production_s"], gather_free["wire_s"])
+    buffers = chunks_of(max(p.sender_bytes.values()), costs.bucket_bytes)
+    gather_free["total_s"] = fixed + pipeline_seconds([gather_free["production_s"], gather_free["wire_s"]], buffers)
     broadcast = {
         "gathers_s": gather_s, "production_s": max(p.stage_full_bytes) / rate + most_received / rate,
         "wire_s": p.broadcast_s, **control,
@@ -114,7 +123,8 @@ def whole_update(p: Prediction, trainer: ShapeModel, costs: Costs) -> dict[str, 
         post_load = f"fp8 engines {FP8_POST_LOAD_GBYTES:.1f} GB/s per engine rank (Kimi-K2's published 884 ms), bf16 none"
     return {
         "model": MODEL.format(nvlink=c.nvlink_gbytes, nic=c.nic_share_bytes_per_s / 1e9, produce=costs.produce_gbytes,
-                              pause=costs.pause_s, finish=costs.finish_s, post_load=post_load),
+                              pause=costs.pause_s, finish=costs.finish_s, post_load=post_load,
+                              bucket_mb=costs.bucket_bytes / (1 << 20)),
         "costs": asdict(costs),
         "stage_gathers": gathers,
         "ways": {"p2psync": p2p, "gather-free": gather_free, "broadcast": broadcast},
