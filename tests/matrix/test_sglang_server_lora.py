@@ -29,6 +29,9 @@ from tests.matrix.test_sglang_server import MODEL, assert_generated_by, generate
 
 #: Long enough that the request on "b" spans the update of "a".
 LONG = 160
+#: Seconds the request on "b" runs before the update starts: a small share of its length
+#: (160 tokens take about 0.8 s on two cores), enough for the scheduler to have taken it.
+SETTLE = 0.2
 
 
 def with_adapter(name: str, seed: int) -> torch.nn.Module:
@@ -65,11 +68,11 @@ def test_one_adapter_of_a_real_server_is_updated_while_a_request_on_another_runs
             on_b["answer"] = generate(url, "b", LONG)
             on_b["ended"] = time.monotonic()
 
-        runner = threading.Thread(target=request_on_b)
-        runner.start()
-        time.sleep(1.0)  # the request is running
         with Session(source=LoraSource(trainer), transport="mooncake", rendezvous=rendezvous, check=True) as session:
-            session.connect(["server/a"])
+            session.connect(["server/a"])  # seconds, longer than the request: it must not span the connect
+            runner = threading.Thread(target=request_on_b)
+            runner.start()
+            time.sleep(SETTLE)  # the request is running
             started = time.monotonic()
             report = session.update("a-1")
             ended = time.monotonic()
