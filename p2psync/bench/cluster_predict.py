@@ -16,7 +16,9 @@ whole update as the bench runs it, the larger of two accounts:
   and last chunks;
 - the box's cores: every emulated node shares this machine's cores, so the CPU-seconds of a
   way (gathers alone on min(trainer ranks, cores) cores, every socket byte at the loopback
-  rate of its transport on both of its ends, production) over the cores bound it too. On a
+  rate of its transport on both of its ends, production, and for Mooncake the write threads'
+  spinning wait: one per trainer rank and engine, for the share of its wire time that
+  `transports.mooncake.pacing` does not sleep through) over the cores bound it too. On a
   cluster each rank has cores of its own and this term vanishes;
 
 plus pause and finish. Only `nic="rank"` topologies are modelled (the planner packs
@@ -26,8 +28,11 @@ engines onto nodes of one size).
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
+
+from ..planner.pipeline import chunks_of, pipeline_seconds
+from ..transports.mooncake.pacing import SLEEP_SHARE
 
 #: The planner's broadcast model of each broadcast way.
 BROADCAST_MODELS = {"broadcast": "tree", "broadcast-chain": "ring", "broadcast-fp32": "tree"}
@@ -37,29 +42,9 @@ MODEL = (
     "pause + max(pipeline, box cores) + finish; pipeline: stages over chunks of bucket_bytes (p2p and broadcasts: "
     "gathers alone, production, wire; gather-free: production, wire floor; wire of the way's plan: p2p's, chain = "
     "ring, gloo = binomial tree); box cores = CPU-seconds (gathers on min(ranks, cores) cores, socket bytes at "
-    "loopback rate on both ends, production) / cores; link = one TCP connection's measured rate"
+    "loopback rate on both ends, production, Mooncake's write threads spinning the unslept share of their wire "
+    "time) / cores; link = one TCP connection's measured rate"
 )
-
-
-def pipeline_seconds(stages: Sequence[float], chunks: Sequence[float]) -> float:
-    """Seconds for chunks (fractions of the bytes, summing to 1) to pass stages that take
-    `stages` seconds for all the bytes: a chunk enters a stage once it left the previous
-    stage and the stage finished the chunk before (a flow shop)."""
-    done = [0.0] * len(stages)
-    for chunk in chunks:
-        ready = 0.0
-        for s, seconds in enumerate(stages):
-            done[s] = max(done[s], ready) + seconds * chunk
-            ready = done[s]
-    return done[-1] if stages else 0.0
-
-
-def chunks_of(nbytes: int, chunk_bytes: int) -> list[float]:
-    """`nbytes` cut into pieces of `chunk_bytes` (the last one shorter), as fractions."""
-    if nbytes <= 0:
-        return [1.0]
-    pieces = [min(chunk_bytes, nbytes - offset) for offset in range(0, nbytes, chunk_bytes)]
-    return [piece / nbytes for piece in pieces]
 
 
 def predict_run(
@@ -95,6 +80,13 @@ def predict_run(
     # sending and one receiving thread, on min(2, cores) cores
     socket_cost = {"mooncake": min(2, cores) / rate("raw_transport"), "gloo": min(2, cores) / rate("raw_gloo")}
     gather_cores = min(setup["trainers"], cores)
+    # CPU-seconds of Mooncake's write threads spinning: one thread per trainer rank and engine it
+    # writes to, whose batches are on the wire for as long as its rank's NIC takes for its bytes
+    nic_seconds = {sender: nbytes / (link * 1e9) for sender, nbytes in p2p.sender_bytes.items()}
+    spin = {
+        "p2p": sum(nic_seconds[s] for s, _ in {(s, t.engine_id) for plan in p2p.plans for t, s in plan.assignment.items()}),
+        "gather-free": topology["engines"] * sum(nic_seconds.values()),  # every rank feeds every engine
+    }
     out: dict[str, Any] = {
         "link_gbps": link, "latency_us": cluster.latency_us, "cores": cores, "model": MODEL, "ways": {},
     }
@@ -105,19 +97,19 @@ def predict_run(
         if name == "p2p":
             parts = {"gathers_s": gathers, "production_s": production, "wire_s": p2p.p2p_s}
             pipeline = pipeline_seconds(list(parts.values()), buckets)
-            socket_bytes = sum(p2p.sender_bytes.values()) * socket_cost["mooncake"]
+            cpu = sum(p2p.sender_bytes.values()) * socket_cost["mooncake"] + (1 - SLEEP_SHARE) * spin[name]
         elif name == "gather-free":
             parts = {"production_s": production, "wire_s": p2p.floor_s}
             pipeline = pipeline_seconds(list(parts.values()), buffers)
-            socket_bytes = sum(p2p.sender_bytes.values()) * socket_cost["mooncake"]
+            cpu = sum(p2p.sender_bytes.values()) * socket_cost["mooncake"] + (1 - SLEEP_SHARE) * spin[name]
         elif name in wires:
             parts = {"gathers_s": gathers, "production_s": production, "wire_s": wires[name]}
             pipeline = pipeline_seconds(list(parts.values()), buckets)
-            socket_bytes = model_bytes * engine_ranks * socket_cost["gloo"]  # every engine rank receives it once
+            cpu = model_bytes * engine_ranks * socket_cost["gloo"]  # every engine rank receives it once
         else:
             continue
         parts["pipeline_s"] = pipeline
-        parts["cores_s"] = (gathers * gather_cores + socket_bytes + production) / cores
+        parts["cores_s"] = (gathers * gather_cores + cpu + production) / cores
         predicted = control + max(pipeline, parts["cores_s"])
         error = predicted / way["seconds"] - 1
         out["ways"][name] = {**parts, "control_s": control, "predicted_s": predicted, "measured_s": way["seconds"],
