@@ -2,7 +2,7 @@
 
 import pytest
 
-from p2psync.transports.mooncake.pacing import MIN_SLEEP, SHRINK, SLEEP_SHARE, WirePace
+from p2psync.transports.mooncake.pacing import LEARN_BYTES, MIN_SLEEP, REACH, SHRINK, SLEEP_SHARE, TIMEOUT_SHARE, WirePace
 
 MB = 1 << 20
 
@@ -15,8 +15,32 @@ def test_a_batch_still_in_flight_after_the_sleep_sets_the_rate() -> None:
     pace = WirePace()
     pace.observe(64 * MB, slept=0.0, spun=1.0)  # 64 MB landed in 1 s
     assert pace.sleep_before_wait(32 * MB, timeout=30) == pytest.approx(SLEEP_SHARE * 0.5)
-    pace.observe(32 * MB, slept=0.425, spun=0.375)  # slower now: 0.8 s for 32 MB
-    assert pace.sleep_before_wait(32 * MB, timeout=30) == pytest.approx(SLEEP_SHARE * 0.8)
+    pace.observe(64 * MB, slept=SLEEP_SHARE, spun=0.05)  # faster now: 0.9 s for 64 MB
+    assert pace.sleep_before_wait(64 * MB, timeout=30) == pytest.approx(SLEEP_SHARE * 0.9)
+
+
+def test_a_slower_batch_never_lengthens_the_sleep() -> None:
+    """A sleep too long costs wall time, one too short only the spin: a batch slowed by a shared
+    NIC or a busy core leaves the estimate at the fastest rate seen."""
+    pace = WirePace()
+    pace.observe(64 * MB, slept=0.0, spun=1.0)
+    pace.observe(64 * MB, slept=SLEEP_SHARE, spun=9.0)
+    assert pace.sleep_before_wait(64 * MB, timeout=30) == pytest.approx(SLEEP_SHARE * 1.0)
+
+
+def test_small_batches_teach_nothing_so_their_latency_is_not_slept_through_on_a_large_one() -> None:
+    """Seen on CI: a 4 KB batch that took a slow round trip set a rate that, applied to the next
+    16 KB batch, slept the whole 3 s timeout and failed the write."""
+    pace = WirePace()
+    pace.observe(LEARN_BYTES - 1, slept=0.0, spun=0.1)
+    assert pace.seconds_per_byte is None
+    assert pace.sleep_before_wait(64 * MB, timeout=3.0) == 0.0
+
+
+def test_a_rate_is_applied_no_further_than_reach_times_the_largest_batch_learned_from() -> None:
+    pace = WirePace()
+    pace.observe(LEARN_BYTES, slept=0.0, spun=0.01)
+    assert pace.sleep_before_wait(1000 * LEARN_BYTES, timeout=30) == pytest.approx(SLEEP_SHARE * 0.01 * REACH)
 
 
 def test_a_batch_that_landed_during_the_sleep_shrinks_the_estimate() -> None:
@@ -30,7 +54,8 @@ def test_short_batches_are_not_slept_through_and_no_sleep_outlasts_the_timeout()
     pace = WirePace()
     pace.observe(64 * MB, slept=0.0, spun=1.0)
     assert pace.sleep_before_wait(int(64 * MB * MIN_SLEEP / 2), timeout=30) == 0.0
-    assert pace.sleep_before_wait(64 * MB * 100, timeout=2.0) == 2.0
+    pace.observe(64 * MB * 100, slept=0.0, spun=100.0)
+    assert pace.sleep_before_wait(64 * MB * 100, timeout=2.0) == TIMEOUT_SHARE * 2.0
 
 
 def test_an_empty_batch_teaches_nothing() -> None:
