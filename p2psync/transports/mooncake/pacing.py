@@ -16,8 +16,8 @@ a batch of at least `LEARN_BYTES` showed (a smaller batch's time is mostly fixed
 its rate applied to a large batch once slept a whole timeout away), and a batch that landed
 before the sleep ended shrinks it. A batch larger than `REACH` times the largest one learned
 from is slept through as if it were that large: the rate of a small batch, whose latency
-weighs more, is not stretched over a far larger one. A slower batch (a shared NIC, a busy core) never lengthens
-the sleep. No sleep is longer than `TIMEOUT_SHARE` of the write's timeout, so the estimate
+weighs more, is not stretched over a far larger one. A slower batch (a shared NIC, a busy
+core) never lengthens the sleep. No sleep is longer than `TIMEOUT_SHARE` of the write's timeout, so the estimate
 alone can never make a write late. Batches expected to take less than `MIN_SLEEP` seconds are
 waited for by spinning alone: a sleep's own granularity would cost more than it saves (RDMA
 writes of a few MB land within a millisecond).
