@@ -254,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "trainer ranks per trainer node, then engines of TP ranks, each engine on a node of its own)")
     box.add_argument("--link-gbit", type=float, help="each NIC's rate out, Gbit/s (default 1)")
     box.add_argument("--nic", choices=["rank", "node"], help="one NIC per rank (default, rail-optimized) or per node")
-    box.add_argument("--latency-ms", type=float, help="latency added to every packet a NIC sends (needs sch_netem)")
+    box.add_argument("--latency-ms", type=float, help="latency added to every packet a NIC sends (needs iptables: apt-get install iptables)")
     box.add_argument("--loss-percent", type=float, help="packets a NIC loses: 100/2^k percent (6.25, 3.125, ...)")
     from .bench.archs import ARCHS
 

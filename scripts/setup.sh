@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Set up this machine for p2psync: the system libraries Mooncake needs even over
 # TCP (the verbs userland), iproute2 (ip and tc: the cluster in a box shapes loopback
-# links in a network namespace of its own), then .venv with p2psync (editable), its CPU
-# extras and tox.
+# links in a network namespace of its own) and iptables (its links' latency: a netfilter
+# queue), then .venv with p2psync (editable), its CPU extras and tox.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 missing=()
-for pkg in libibverbs1 librdmacm1 ibverbs-providers iproute2; do
+for pkg in libibverbs1 librdmacm1 ibverbs-providers iproute2 iptables; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
 done
 if [ ${#missing[@]} -gt 0 ]; then

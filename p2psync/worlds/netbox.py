@@ -1,17 +1,18 @@
 """A cluster in a box: emulated nodes on one machine, linked as a cluster's nodes are.
 
-Point-to-point sync pays where the links between trainer and engine nodes are the
-bottleneck while the links inside a node are an order of magnitude faster. On one machine
-every link is loopback memory; in a network namespace of its own (`enter_namespace`),
-loopback carries the whole 127.0.0.0/8 range, so node N's processes bind the addresses
-127.0.N+1.x (`Box.address`), and `shape` puts one htb class per emulated NIC on `lo`:
-traffic between two addresses of one node stays unshaped (NVLink's place), traffic that
-leaves a node goes through its sending NIC's class at the link's rate, with netem's
-latency and loss under it. Each process of the box calls `join` first: its sockets then
-leave from its NIC's address (policy routing by file-system uid: no transport binds its
-client sockets) and its host name resolves to its own address. `nic_bytes` reads what each
-NIC's class carried; `cut` drops every packet to and from a node (its link pulled) and
-`lose` a share of them (a flaky link), until `mend`.
+Point-to-point sync pays where the links between trainer and engine nodes are the bottleneck
+while the links inside a node are an order of magnitude faster. On one machine every link is
+loopback memory; in a network namespace of its own (`enter_namespace`), loopback carries the
+whole 127.0.0.0/8 range, so node N's processes bind the addresses 127.0.N+1.x
+(`Box.address`), and `shape` puts one htb class per emulated NIC on `lo`: traffic between
+two addresses of one node stays unshaped (NVLink's place), traffic that leaves a node goes
+through its sending NIC's class at the link's rate, loses its share of packets there, and
+waits out the link's latency as it arrives (`delay`: a netfilter queue, since this kernel
+has no netem). Each process of the box calls `join` first: its sockets then leave from its
+NIC's address (policy routing by file-system uid: no transport binds its client sockets) and
+its host name resolves to its own address. `nic_bytes` reads what each NIC's class carried;
+`cut` drops every packet to and from a node (its link pulled) and `lose` a share of them (a
+flaky link), until `mend`.
 
 Only loopback-range addresses are used, and `shape` refuses the machine's own namespace.
 Shaping is on the sending side: a NIC receiving from several senders at once is not
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..core.host import HOST_ENV
+from . import delay
 
 #: Names the box's namespace (its inode) to the processes started in it.
 BOX_ENV = "P2PSYNC_BOX_NETNS"
@@ -186,8 +188,6 @@ def shape(box: Box) -> list[Nic]:
     for nic in nics:
         _run([tc, "class", "add", "dev", "lo", "parent", "1:", "classid", f"1:{nic.classid:x}", "htb", "rate", rate,
               "ceil", rate])
-        if box.link.latency_ms:
-            _netem(tc, nic, box.link)
         if box.link.loss_bits is not None:
             _drop_share(tc, LOSS_PRIO, "src", nic.prefix, box.link.loss_bits)
     for node in range(len(box.ranks)):
@@ -198,6 +198,8 @@ def shape(box: Box) -> list[Nic]:
         _run([tc, "filter", "add", "dev", "lo", "parent", "1:", "protocol", "ip", "prio", str(NIC_PRIO), "u32",
               "match", "ip", "src", nic.prefix, "flowid", f"1:{nic.classid:x}"])
     _route_sources(nics)
+    if box.link.latency_ms:
+        _add_latency(box)
     return nics
 
 
@@ -304,16 +306,21 @@ def _drop_share(tc: str, prio: int, side: str, prefix: str, bits: int) -> None:
           "match", "ip", side, prefix, "match", "u16", "0x0001", mask, "at", "4", "flowid", f"1:{LOSS_CLASS:x}"])
 
 
-def _netem(tc: str, nic: Nic, link: Link) -> None:
-    """Latency under `nic`'s class: netem's, where the kernel has it."""
-    command = [tc, "qdisc", "add", "dev", "lo", "parent", f"1:{nic.classid:x}", "handle", f"{nic.classid:x}:",
-               "netem", "delay", f"{link.latency_ms}ms"]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise NamespaceError(
-            f"a link's latency needs the kernel's netem qdisc (sch_netem): `{' '.join(command)}` failed: "
-            f"{done.stderr.strip()}"
-        )
+#: The process that holds packets for the box's latency (`delay`): kept while this one lives.
+_delayer: subprocess.Popen[str] | None = None
+
+
+def _add_latency(box: Box) -> None:
+    """Every packet that arrives at a node from another waits the link's latency: an INPUT
+    rule per node hands them to `delay`'s queue. iptables' legacy tables, since its nftables
+    front end turns NFQUEUE into nft's queue expression, which this kernel lacks."""
+    global _delayer
+    iptables = _tool("iptables-legacy", "iptables' `iptables-legacy`", "iptables")
+    _delayer = delay.start(box.link.latency_ms / 1000)
+    for node in range(len(box.ranks)):
+        prefix = box.node_prefix(node)
+        _run([iptables, "-w", "-A", "INPUT", "-s", prefix, "!", "-d", prefix, "-j", "NFQUEUE", "--queue-num",
+              str(delay.QUEUE)])
 
 
 def lost_packets() -> int:
@@ -338,11 +345,11 @@ def _tool_in_box() -> str:
     return _tool("tc", "iproute2's `tc`")
 
 
-def _tool(name: str, what: str) -> str:
+def _tool(name: str, what: str, package: str = "iproute2") -> str:
     path = shutil.which(name) or next((p for p in (f"/usr/sbin/{name}", f"/sbin/{name}") if os.access(p, os.X_OK)),
                                       None)
     if path is None:
-        raise NamespaceError(f"{what} is not installed (apt-get install iproute2)")
+        raise NamespaceError(f"{what} is not installed (apt-get install {package})")
     return path
 
 

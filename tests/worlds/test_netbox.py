@@ -2,8 +2,9 @@
 emulated nodes goes through the sending NIC's class (its counter carries the bytes) while
 traffic inside a node bypasses every NIC; gloo ranks that joined the box send from their
 own NIC with no binding of their own; a cut node receives nothing until mended; the
-machine's own loopback is never shaped. Skipped, naming what is missing, where the machine lacks
-root or iproute2."""
+machine's own loopback is never shaped; a link with latency delays every packet between
+nodes and none inside one. Skipped, naming what is missing, where the machine lacks root,
+iproute2 or (for latency) iptables."""
 
 from __future__ import annotations
 
@@ -154,6 +155,41 @@ def test_a_link_made_lossy_drops_packets_until_mended(tmp_path):
     assert result["clean"] == {"exact": True, "lost": 0}, result
     assert result["losing"]["exact"] and result["losing"]["lost"] > 0, result
     assert result["mended"] == {"exact": True, "lost": result["losing"]["lost"]}, result
+
+
+#: A box of 2 + 1 ranks whose links add 50 ms: round trips of one byte inside node 0 and from
+#: node 0 to node 1, each on a connection of its own, and 4 MB sent across.
+LATENCY = SEND.replace("Box((1, 1)", "Box((2, 1)").replace("loss_percent=LOSS_PERCENT", "latency_ms=50.0") + """
+import time
+def echo(address):
+    server = socket.create_server((address, 5001))
+    def loop():
+        conn, _ = server.accept()
+        while conn.recv(1):
+            conn.sendall(b"k")
+    threading.Thread(target=loop, daemon=True).start()
+def round_trips(address):
+    with socket.create_connection((address, 5001), source_address=(box.address(0, 0), 0)) as conn:
+        times = []
+        for _ in range(3):
+            started = time.monotonic()
+            conn.sendall(b"p")
+            conn.recv(1)
+            times.append(time.monotonic() - started)
+        return times
+echo(box.address(0, 1))
+echo(box.address(1, 0))
+print(json.dumps({"inside": round_trips(box.address(0, 1)), "across": round_trips(box.address(1, 0)),
+                  "sent": send()}))
+"""
+
+
+def test_a_link_with_latency_delays_every_packet_between_nodes_and_none_inside_a_node(tmp_path):
+    (tmp_path / "box.py").write_text(LATENCY)
+    result = run_in_box(tmp_path / "box.py", tools=("ip", "tc", "iptables-legacy"))
+    assert all(0.1 <= t < 0.15 for t in result["across"]), result  # 50 ms each way
+    assert all(t < 0.02 for t in result["inside"]), result
+    assert result["sent"] == {"exact": True, "lost": 0}, result
 
 
 def _in_box(tmp_path: Path, script: str) -> dict:
