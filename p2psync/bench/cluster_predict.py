@@ -33,6 +33,8 @@ from typing import Any
 
 from ..planner.pipeline import chunks_of, pipeline_seconds
 from ..transports.mooncake.pacing import SLEEP_SHARE
+from ..worlds.netbox import Link
+from .cluster import Topology
 
 #: The planner's broadcast model of each broadcast way.
 BROADCAST_MODELS = {"broadcast": "tree", "broadcast-chain": "ring", "broadcast-fp32": "tree"}
@@ -40,11 +42,28 @@ BROADCAST_MODELS = {"broadcast": "tree", "broadcast-chain": "ring", "broadcast-f
 TOLERANCE = 0.20
 MODEL = (
     "pause + max(pipeline, box cores) + finish; pipeline: stages over chunks of bucket_bytes (p2p and broadcasts: "
-    "gathers alone, production, wire; gather-free: production, wire floor; wire of the way's plan: p2p's, chain = "
-    "ring, gloo = binomial tree); box cores = CPU-seconds (gathers on min(ranks, cores) cores, socket bytes at "
+    "gathers alone + what they wait behind the way's sends on a NIC both use, production, wire; gather-free: "
+    "production, wire floor; wire of the way's plan: p2p's, chain = ring, gloo = binomial tree); box cores = CPU-seconds (gathers on min(ranks, cores) cores, socket bytes at "
     "loopback rate on both ends, production, Mooncake's write threads spinning the unslept share of their wire "
     "time) / cores; link = one TCP connection's measured rate"
 )
+
+
+def shared_nic_seconds(topology: Mapping[str, Any], way: Mapping[str, Any], link_bytes_per_s: float) -> float:
+    """Seconds a way's gathers wait behind its own sends on the trainer NIC where that costs
+    most: the gathers' seconds on that NIC, times the share of the gathers' time alone that
+    the sends are on it."""
+    gathers = way["gathers_alone_seconds"]
+    if gathers <= 0:
+        return 0.0
+    described = Topology(topology["name"], tuple(topology["trainer_nodes"]), topology["engines"], topology["tp"],
+                         Link(gbit=topology["link_gbit"]))
+    box, waited = described.box(), 0.0
+    for rank in range(described.trainers):
+        sent = way["bytes_per_sender"].get(f"trainer-{rank}", 0)
+        gathered = max(0, way["nic_bytes"][box.nic_of(*described.trainer_place(rank)).name] - sent)
+        waited = max(waited, gathered / link_bytes_per_s * min(1.0, sent / link_bytes_per_s / gathers))
+    return waited
 
 
 def predict_run(
@@ -94,8 +113,9 @@ def predict_run(
         phases = way["phases"]["trainer-0"]
         control = phases.get("pause", 0.0) + phases.get("finish", 0.0)
         gathers, production = way["gathers_alone_seconds"], phases.get("produce", 0.0)
+        waited = shared_nic_seconds(topology, way, link * 1e9)
         if name == "p2p":
-            parts = {"gathers_s": gathers, "production_s": production, "wire_s": p2p.p2p_s}
+            parts = {"gathers_s": gathers + waited, "production_s": production, "wire_s": p2p.p2p_s}
             pipeline = pipeline_seconds(list(parts.values()), buckets)
             cpu = sum(p2p.sender_bytes.values()) * socket_cost["mooncake"] + (1 - SLEEP_SHARE) * spin[name]
         elif name == "gather-free":
@@ -103,7 +123,7 @@ def predict_run(
             pipeline = pipeline_seconds(list(parts.values()), buffers)
             cpu = sum(p2p.sender_bytes.values()) * socket_cost["mooncake"] + (1 - SLEEP_SHARE) * spin[name]
         elif name in wires:
-            parts = {"gathers_s": gathers, "production_s": production, "wire_s": wires[name]}
+            parts = {"gathers_s": gathers + waited, "production_s": production, "wire_s": wires[name]}
             pipeline = pipeline_seconds(list(parts.values()), buckets)
             cpu = model_bytes * engine_ranks * socket_cost["gloo"]  # every engine rank receives it once
         else:

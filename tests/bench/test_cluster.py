@@ -121,3 +121,22 @@ def test_the_planner_predicts_the_bytes_on_every_kept_runs_busiest_nic(path):
     ]:
         measured = max(ways[way]["nic_bytes"].values())  # what the NICs sent, by tc's counters
         assert predicted <= measured <= predicted * 1.02, (way, predicted, measured)
+
+
+def test_gathers_wait_behind_the_sends_on_a_trainer_nic_both_use():
+    """Topology c at 1e8 bytes/s: trainer rank 0's NIC carried 300 MB of the way's sends and
+    100 MB beyond them (its gathers' share); the gathers alone took 6 s, 3 of which the sends
+    are on that NIC, so the gathers' 1 s on it is half spent waiting: 0.5 s. A rank that sends
+    nothing waits for nothing, whatever its gathers carry."""
+    from p2psync.bench.cluster_predict import shared_nic_seconds
+
+    topology = Topology.parse("c", Link(gbit=0.8)).describe()
+    nic_bytes = {name: 0 for name in topology["nics"]}
+    nic_bytes.update({"node0/rank0": 400_000_000, "node0/rank1": 150_000_000})
+    way = {"gathers_alone_seconds": 6.0, "nic_bytes": nic_bytes,
+           "bytes_per_sender": {"trainer-0": 300_000_000, "trainer-1": 0, "trainer-2": 0, "trainer-3": 0}}
+    assert shared_nic_seconds(topology, way, 1e8) == pytest.approx(0.5)
+    way["bytes_per_sender"]["trainer-0"] = 900_000_000  # sends on the NIC the whole 6 s and more: all 1 s waits
+    way["nic_bytes"]["node0/rank0"] = 1_000_000_000
+    assert shared_nic_seconds(topology, way, 1e8) == pytest.approx(1.0)
+    assert shared_nic_seconds(topology, {**way, "gathers_alone_seconds": 0.0}, 1e8) == 0.0  # gather-free
