@@ -90,13 +90,22 @@ def _split_row(name: str, way: str, w: dict[str, Any]) -> list[str]:
         f"{_s(p.get('gather', 0))} / {_s(p.get('produce', 0))} / {_s(waits)} / {_s(control)}",
         _s(w["engine_load_seconds"]) if "engine_load_seconds" in w else "-",
         f"{w['wire_bytes'] / 1e6:,.0f} ({'counted' if w['bytes_how'].startswith('counted') else 'measured'})", _s(w["raw_gbps"]),
-        _s(w["bound_seconds"]), f"{w['over_bound']:.2f}x",
+        _s(w["bound_seconds"]), f"{w['over_bound']:.2f}x", _cpu(w),
     ]
+
+
+def _cpu(w: dict[str, Any]) -> str:
+    """The machine's CPU-seconds in the way's update (its cores' busy share) / in its gathers alone."""
+    if "cpu_seconds" not in w:
+        return "-"
+    alone = w["gathers_alone_cpu_seconds"]
+    return f"{_s(w['cpu_seconds'])} ({w['cores_busy']:.0%}) / {_s(alone) if alone is not None else '-'}"
 
 
 def split_table(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
     header = ["run", "way", "s", "gathers alone s", "trainer-0: gather / produce / waits / control s",
-              "engine loaders s", "wire MB (how)", "raw GB/s", "bound s", "x bound"]
+              "engine loaders s", "wire MB (how)", "raw GB/s", "bound s", "x bound",
+              "machine CPU-s (cores busy) / gathers alone CPU-s"]
     return _table(header, [_split_row(name, way, w) for name, r in runs for way, w in r["ways"].items()])
 
 
@@ -138,7 +147,8 @@ def render(runs: list[tuple[str, dict[str, Any]]]) -> str:
         "", *times_table(runs),
         "", "**Where the time went, and each way's bound** (bound: the larger of the way's gathers alone and its bytes "
         "on the wire at the raw rate of its transport, measured in the same run; control: pause, finish, commands, "
-        "checks):",
+        "checks; machine CPU-s: what every core of the machine spent in the update, from /proc/stat, and the share "
+        "of the cores' time that is):",
         "", *split_table(runs),
         "", "**Trainer memory** (peak RSS an update adds to a trainer rank):",
         "", *memory_table(runs),

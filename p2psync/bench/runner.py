@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..worlds import launch
 from ..core.types import ParamSpec, numel
-from . import broadcast, cluster, engines, limits, results, rss, verify
+from . import broadcast, cluster, cpu, engines, limits, results, rss, verify
 from .options import TRAINERS, BenchOptions
 from .report import summary
 from .ways import WAYS, BroadcastWay, P2PWay, Way, make_ways
@@ -140,6 +140,7 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
     progress = bar.update
     measured = Rounds(ways, list(plans))
     nics = partial(cluster.nic_bytes, opts.cluster) if opts.cluster is not None and rank == 0 else None
+    busy = cpu.machine_seconds if rank == 0 else None
     for i in range(rounds):
         steps: list[tuple[str, Callable[[], float], Way | None]] = [
             (w.name, partial(w.update, progress), w) for w in ways
@@ -147,10 +148,12 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
         steps += [(name, partial(_gathers_alone, source, *plan, progress), None) for name, plan in plans.items()]
         for name, run, way in steps:
             bar.set_description(name)
-            before, sent_before = rss.reset_peak(), nics() if nics else {}
+            before, sent_before, busy_before = rss.reset_peak(), nics() if nics else {}, busy() if busy else 0.0
             took = run()
             sent = {nic: n - sent_before[nic] for nic, n in nics().items()} if nics else {}
-            measured.record(name, took, way, first=i == 0, timed=i >= opts.warmup, rss_before=before, nic_bytes=sent)
+            cpu_seconds = busy() - busy_before if busy else None
+            measured.record(name, took, way, first=i == 0, timed=i >= opts.warmup, rss_before=before, nic_bytes=sent,
+                            cpu_seconds=cpu_seconds)
     bar.set_description("verify")
     held = _verify(ways, leader, session, measured.broadcast_log, progress)
     bar.close()
@@ -188,7 +191,7 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
             "members": [engines.member(opts, i) for i in range(members)],
             "rank_bytes": {w.name: _rank_bytes(w.reports[rounds - 1]) for w in p2p_ways},
             "payload": sum(broadcast.flat_bytes(s) for s in leader.packed) if leader else 0,
-            "nic_bytes": measured.nic_bytes,
+            "nic_bytes": measured.nic_bytes, "cpu_seconds": measured.cpu_seconds,
         })
 
 
@@ -220,8 +223,9 @@ def _setup(opts: BenchOptions, specs: list[ParamSpec], transport: dict[str, Any]
 
 class Rounds:
     """What one trainer rank measured over the timed rounds: seconds of every step (ways and
-    gathers alone), each way's phases and bytes sent, the RSS each step added, and which way
-    each broadcast update belonged to (the engines count every one; "" when untimed)."""
+    gathers alone), each way's phases and bytes sent, the RSS each step added, the machine's
+    CPU-seconds meanwhile (rank 0), and which way each broadcast update belonged to (the
+    engines count every one; "" when untimed)."""
 
     def __init__(self, ways: list[Way], gather_steps: list[str]) -> None:
         self.seconds: dict[str, list[float]] = {name: [] for name in [w.name for w in ways] + gather_steps}
@@ -230,14 +234,16 @@ class Rounds:
         self.memory: dict[str, int] = {}
         self.broadcast_log: list[str] = []
         self.nic_bytes: dict[str, list[dict[str, int]]] = {name: [] for name in self.seconds}
+        self.cpu_seconds: dict[str, list[float]] = {name: [] for name in self.seconds}
 
     def record(
         self, step: str, took: float, way: Way | None, *, first: bool, timed: bool, rss_before: int,
-        nic_bytes: dict[str, int],
+        nic_bytes: dict[str, int], cpu_seconds: float | None,
     ) -> None:
         """One step's result. RSS: what it added at its peak on its first run and on the worst
         later one, and what its first run left resident beyond free heap pages. `nic_bytes`: what
-        each NIC of a cluster in a box sent meanwhile (empty outside one)."""
+        each NIC of a cluster in a box sent meanwhile (empty outside one). `cpu_seconds`: what
+        the machine's cores spent meanwhile (None where not measured)."""
         key = f"{step}_{'first' if first else 'later'}_added_bytes"
         self.memory[key] = max(self.memory.get(key, 0), rss.peak() - rss_before)
         if first:
@@ -249,6 +255,8 @@ class Rounds:
             self.seconds[step].append(took)
             if nic_bytes:
                 self.nic_bytes[step].append(nic_bytes)
+            if cpu_seconds is not None:
+                self.cpu_seconds[step].append(cpu_seconds)
             if way is not None:
                 self.phases[step].append(way.phase_seconds)
                 self.sent[step].append(way.sent_bytes)
