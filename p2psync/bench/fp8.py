@@ -3,9 +3,9 @@ checkpoint of the bench's Qwen3-MoE, and every way quantizing on the trainer, as
 frameworks do.
 
 The engines' HF config gets the `quantization_config` of an fp8 checkpoint quantized by the
-named quantizer (`p2psync.layouts.quantizers`) at the largest block of 128, 64, 32 or 16
+named quantizer (`p2psync.layouts.quantizers`) at the largest block of 128, 64, 32, 16 or 8
 that every TP shard divides (sglang refuses a block its split cuts: the `moe` size at TP 2
-takes [128, 128], `moe-tiny` [16, 16]). The p2psync ways quantize in their layouts
+takes [128, 128], `moe-tiny` [16, 16], at TP 4 [64, 64] and [8, 8]). The p2psync ways quantize in their layouts
 (`QuantizedLayout`), with the quantizer given as the sessions' engine option; the broadcast
 ways quantize on trainer rank 0 the HF tensors those same layouts quantize, with the
 layouts' own quantizer and input dtype (`quantized_for_broadcast`), so that every way sends
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .options import BenchOptions
 
 #: The blocks tried, largest first: [128, 128] as fp8 checkpoints hold, smaller where TP shards need it.
-BLOCKS = (128, 64, 32, 16)
+BLOCKS = (128, 64, 32, 16, 8)
 #: The engine kinds the fp8 bench runs.
 ENGINES = ("sglang",)
 

@@ -146,7 +146,9 @@ def test_bench_sglang_fp8_every_way_quantizes_on_the_trainer(capsys):
         _check_broadcast_bytes(ways[name], receivers=4)
 
 
-@pytest.mark.parametrize("size,tp,block", [("moe-tiny", 2, 16), ("moe-tiny", 1, 32), ("moe", 2, 128), ("moe", 4, 64)])
+@pytest.mark.parametrize(
+    "size,tp,block", [("moe-tiny", 2, 16), ("moe-tiny", 1, 32), ("moe-tiny", 4, 8), ("moe", 2, 128), ("moe", 4, 64)]
+)
 def test_fp8_bench_block_is_the_largest_sglang_builds(size, tp, block):
     """--fp8's block: sglang builds the rank at it, and refuses twice it (its own check of the TP split)."""
     pytest.importorskip("sglang", reason="sglang's rank models need sglang")
@@ -171,6 +173,23 @@ def test_fp8_bench_is_refused_before_anything_starts(capsys):
     assert "--fp8 is a case of the bench of the ways" in capsys.readouterr().err
 
 
+def test_the_cluster_predictor_sizes_fp8_engines_as_the_config_does():
+    """The cluster predictor's shapes of an fp8 run: each rank's fp8 shard and scales, and the full
+    checkpoint the broadcasts send, as `_fp8_bytes` computes them from the config."""
+    from p2psync.bench.cluster_predict import _shapes
+    from p2psync.bench.model import MOE_CONFIGS
+
+    for tp, block in ((2, 16), (4, 8)):
+        setup = {"model": {"size": "moe-tiny"}, "cluster": {"tp": tp},
+                 "engine": {"fp8": {"quantizer": "block-linear", "block": [block, block]}}}
+        shapes = _shapes(setup)
+        layers = len(shapes.layer_kinds)
+        rank, full = shapes.ranks[0], shapes.full
+        shard, checkpoint, _, _ = _fp8_bytes(MOE_CONFIGS["moe-tiny"], tp=tp, block=block)
+        assert rank.part_bytes("embed") + rank.part_bytes("final") + layers * rank.part_bytes("moe") == shard
+        assert full.part_bytes("embed") + full.part_bytes("final") + layers * full.part_bytes("moe") == checkpoint
+
+
 def _fp8_bytes(c: dict[str, int], *, tp: int, block: int) -> tuple[int, int, int, int]:
     """Of the Qwen3-MoE config `c` with every linear projection in fp8 and its float32 scale per
     [block, block] (norms, embeddings, the router and the head in bfloat16): bytes of one of sglang's
@@ -188,7 +207,8 @@ def _fp8_bytes(c: dict[str, int], *, tp: int, block: int) -> tuple[int, int, int
     def rest(ranks: int) -> int:  # embeddings and head (their rows over TP), final norm
         return 2 * (2 * c["vocab_size"] // ranks * h + h)
 
-    rank = fp8(q // tp + 2 * kv // tp, h) + fp8(h, q // tp) + fp8(2 * inter // tp, h, experts) + fp8(h, inter // tp, experts)
+    kv_rank = max(1, c["num_key_value_heads"] // tp) * hd  # sglang replicates KV heads where TP exceeds them
+    rank = fp8(q // tp + 2 * kv_rank, h) + fp8(h, q // tp) + fp8(2 * inter // tp, h, experts) + fp8(h, inter // tp, experts)
     full = fp8(q, h) + 2 * fp8(kv, h) + fp8(h, q) + fp8(inter, h, 2 * experts) + fp8(h, inter, experts)
     bf16 = 2 * (q * h + 2 * kv * h + h * q + 3 * experts * inter * h)
     quantized = 4 + 3 * experts
