@@ -5,8 +5,9 @@ frameworks do.
 The engines' HF config gets the `quantization_config` of an fp8 checkpoint quantized by the
 named quantizer (`p2psync.layouts.quantizers`) at the largest block of 128, 64, 32, 16 or 8
 that every TP shard divides (sglang refuses a block its split cuts: the `moe` size at TP 2
-takes [128, 128], `moe-tiny` [16, 16], at TP 4 [64, 64] and [8, 8]). The p2psync ways quantize in their layouts
-(`QuantizedLayout`), with the quantizer given as the sessions' engine option; the broadcast
+takes [128, 128], `moe-tiny` [16, 16], at TP 4 [64, 64] and [8, 8]). The p2psync ways
+quantize in their layouts (`QuantizedLayout`), with the quantizer given as the sessions'
+engine option; the broadcast
 ways quantize on trainer rank 0 the HF tensors those same layouts quantize, with the
 layouts' own quantizer and input dtype (`quantized_for_broadcast`), so that every way sends
 the same fp8 bytes.
@@ -51,8 +52,8 @@ def block(size: str, tp: int) -> int:
     from .model import MOE_CONFIGS
 
     c = MOE_CONFIGS[size]
-    heads, kv, head_dim, inter = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c["moe_intermediate_size"]
-    shards = (heads * head_dim // tp, max(1, kv // tp) * head_dim, inter // tp)
+    head_dim, inter = c["head_dim"], c["moe_intermediate_size"]
+    shards = (c["num_attention_heads"] * head_dim // tp, max(1, c["num_key_value_heads"] // tp) * head_dim, inter // tp)
     common = 0
     for shard in shards:
         common = gcd(common, shard)

@@ -20,8 +20,8 @@ TRAINERS = {"fsdp2": "FSDP2", "megatron": "Megatron-Core (TP = EP = ranks)"}
 class BenchOptions(DemoOptions):
     """What one bench run does: the demo's model, trainers, engines and transport, the trainer
     (`TRAINERS`), the engine kind (`engines.KINDS`) and its ranks per engine, its fp8 quantizer if any, the ways
-    to compare (empty: all the engines offer), untimed warm-up updates per way, the size of the raw measurements, and the
-    cluster in a box it runs in, if any."""
+    to compare (empty: all the engines offer), untimed warm-up updates per way, the size of the raw measurements,
+    and the cluster in a box it runs in, if any."""
 
     engine: str = "torch"
     engine_tp: int = 2
