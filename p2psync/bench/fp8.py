@@ -76,6 +76,14 @@ def quantizer(opts: BenchOptions) -> Quantizer | None:
     return quantizers.get(opts.fp8, [edge, edge])
 
 
+def setup(opts: BenchOptions) -> dict[str, Any]:
+    """The engines' fp8 quantizer and block, for the run's setup (nothing for bf16 engines)."""
+    chosen = quantizer(opts)
+    if chosen is None:
+        return {}
+    return {"fp8": {"quantizer": chosen.name, "block": list(chosen.block) if chosen.block else None}}
+
+
 def engine_config(opts: BenchOptions) -> dict[str, Any]:
     """The HF config the engines serve: the bench's model, with an fp8 checkpoint's
     `quantization_config` where `--fp8` is given."""

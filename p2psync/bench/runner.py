@@ -210,7 +210,7 @@ def _setup(opts: BenchOptions, specs: list[ParamSpec], transport: dict[str, Any]
         "engines": opts.engines,
         "engine": {
             "kind": opts.engine, "tp": engines.tp(opts), "dtype": engines.engine_dtype(opts) or "trainer's",
-            **_fp8_setup(opts),
+            **fp8.setup(opts),
         },
         "transport": transport,
         "updates": opts.updates,
@@ -219,14 +219,6 @@ def _setup(opts: BenchOptions, specs: list[ParamSpec], transport: dict[str, Any]
         "ways": [w.name for w in ways],
         "cluster": opts.cluster.describe() if opts.cluster else None,
     }
-
-
-def _fp8_setup(opts: BenchOptions) -> dict[str, Any]:
-    """The engines' fp8 quantizer and block in the setup (nothing for bf16 engines)."""
-    quantizer = fp8.quantizer(opts)
-    if quantizer is None:
-        return {}
-    return {"fp8": {"quantizer": quantizer.name, "block": list(quantizer.block) if quantizer.block else None}}
 
 
 class Rounds:
