@@ -44,7 +44,12 @@ def _load(r: dict[str, Any]) -> str:
 def _setup(r: dict[str, Any]) -> str:
     s = r["setup"]
     e = s["engine"]
-    return f"{s['model']['size']}, {s['trainers']} {TRAINERS[s.get('trainer', 'fsdp2')]} -> {s['engines']} {e['kind']} x TP{e['tp']}"
+    fp8 = e.get("fp8")  # results before --fp8 ran bf16 engines
+    quantized = f", fp8 {fp8['quantizer']} {fp8['block'] or 'per tensor'}" if fp8 else ""
+    return (
+        f"{s['model']['size']}, {s['trainers']} {TRAINERS[s.get('trainer', 'fsdp2')]} -> {s['engines']} {e['kind']} "
+        f"x TP{e['tp']}{quantized}"
+    )
 
 
 def _way(r: dict[str, Any], name: str) -> str:

@@ -63,7 +63,7 @@ def _demo(args: argparse.Namespace) -> int:
 _CONNECT_ONLY = (
     "arch", "layers", "experts", "hidden", "vocab", "engine_ep", "all_ranks", "max_rss_gb", "point_timeout",
 )
-_NOT_CONNECT = ("size", "ways", "engine_dtype", "delta", "lora", "trainer")
+_NOT_CONNECT = ("size", "ways", "engine_dtype", "delta", "lora", "trainer", "fp8")
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -84,11 +84,14 @@ def _bench(args: argparse.Namespace) -> int:
     opts = BenchOptions(
         size=args.size or ("100m" if args.engine == "torch" else "moe"), updates=args.updates, warmup=args.warmup,
         transport=args.transport, raw_bytes=args.raw_mib << 20, engine=args.engine, ways=tuple(args.ways or ()),
-        engine_dtype=args.engine_dtype, delta_lrs=tuple(args.lr), trainer=args.trainer or "fsdp2",
+        engine_dtype=args.engine_dtype, fp8=args.fp8, delta_lrs=tuple(args.lr), trainer=args.trainer or "fsdp2",
         trainers=topology.trainers if topology else args.trainers or 2,
         engines=topology.engines if topology else args.engines or 2,
         engine_tp=topology.tp if topology else 2 if args.engine_tp is None else args.engine_tp, cluster=topology,
     )
+    if args.fp8 is not None and (args.delta or args.lora):
+        print("p2psync bench: --fp8 is a case of the bench of the ways, not of --delta or --lora", file=sys.stderr)
+        return 2
     if args.delta and args.trainer not in (None, "fsdp2"):
         print("p2psync bench: --delta runs FSDP2 trainer ranks", file=sys.stderr)
         return 2
@@ -229,6 +232,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--transport", default="mooncake")
     bench.add_argument("--engine-dtype", help="torch engines' parameter dtype (default: the trainer's float32; "
                        "--delta: bfloat16)")
+    bench.add_argument("--fp8", metavar="QUANTIZER",
+                       help="sglang engines serve an fp8 checkpoint quantized by QUANTIZER (block-linear, "
+                       "block-linear-verl-torch, block-ue8m0 or per-tensor; blocks [128, 128], smaller where the TP "
+                       "shards need it), and every way quantizes on the trainer")
     bench.add_argument("--delta", action="store_true",
                        help="delta updates against full ones and the broadcast, the trainer taking AdamW steps "
                        "(torch engines)")

@@ -1,7 +1,8 @@
 """The broadcast path of miles, slime and verl, built as well as torch.distributed allows:
 trainer rank 0 packs each gathered bucket into one flat buffer (casting to the engines'
 dtype as it copies) and broadcasts it with one gloo broadcast to every engine rank, whose
-own loader keeps its shard.
+own loader keeps its shard. For fp8 engines rank 0 first quantizes the HF tensors the engines
+hold in fp8 (`Quantized`) and packs the fp8 checkpoint's weight and scale instead.
 
 The group is a standalone gloo group of trainer rank 0 (group rank 0) and engine-rank
 process `i` (group rank 1 + i), built on the job's rendezvous store; the trainer's default
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..core.rendezvous import Rendezvous
+    from ..layouts.quantizers import Quantizer
 
 ORDER_KEY = "bench/broadcast/order"
 STATS_KEY = "bench/broadcast/engine/{index}"
@@ -64,16 +66,50 @@ class Slot:
     offset: int
 
 
-def pack(specs: Mapping[str, ParamSpec], buckets: Sequence[Sequence[str]], dtype: str | None) -> list[list[Slot]]:
-    """Where each tensor of each bucket goes in its flat buffer, sent in `dtype` (None: the trainer's)."""
+@dataclass(frozen=True)
+class Quantized:
+    """The HF tensors an fp8 engine holds quantized (`names`), sent as the fp8 checkpoint's weight
+    and scale that `quantizer` makes of each after a cast to `dtype`, as the p2psync layouts make
+    them (`QuantizedLayout`, whose decision this is)."""
+
+    names: frozenset[str]
+    quantizer: Quantizer
+    dtype: torch.dtype
+
+    def sent(self, spec: ParamSpec) -> list[tuple[str, tuple[int, ...], str]]:
+        """(name, shape, dtype) of the fp8 weight and the scale sent for HF tensor `spec`."""
+        scale = self.quantizer.scale_name(spec.name)
+        return [(spec.name, spec.shape, "float8_e4m3fn"), (scale, self.quantizer.scale_shape(spec.shape), "float32")]
+
+    def quantize(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`tensors`, those in `names` replaced by their fp8 weight and scale."""
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in tensors.items():
+            if name in self.names:
+                out.update(self.quantizer.quantize_from(name, tensor, self.dtype))
+            else:
+                out[name] = tensor
+        return out
+
+
+def pack(
+    specs: Mapping[str, ParamSpec], buckets: Sequence[Sequence[str]], dtype: str | None,
+    quantized: Quantized | None = None,
+) -> list[list[Slot]]:
+    """Where each tensor of each bucket goes in its flat buffer, sent in `dtype` (None: the
+    trainer's), or, where `quantized` names it, as its fp8 weight and scale."""
     packed = []
     for names in buckets:
         slots, offset = [], 0
         for name in names:
             spec = specs[name]
-            sent = dtype or spec.dtype
-            slots.append(Slot(name, spec.shape, sent, offset))
-            offset += -(-numel(spec.shape) * dtype_size(sent) // ALIGN) * ALIGN
+            if quantized is not None and name in quantized.names:
+                sent = quantized.sent(spec)
+            else:
+                sent = [(name, spec.shape, dtype or spec.dtype)]
+            for tensor, shape, sent_dtype in sent:
+                slots.append(Slot(tensor, shape, sent_dtype, offset))
+                offset += -(-numel(shape) * dtype_size(sent_dtype) // ALIGN) * ALIGN
         packed.append(slots)
     return packed
 
@@ -177,9 +213,11 @@ class Leader:
 
     def __init__(
         self, rendezvous: Rendezvous, specs: Mapping[str, ParamSpec], buckets: Sequence[Sequence[str]],
-        dtype: str | None, members: int, timeout: float,
+        dtype: str | None, members: int, timeout: float, quantized: Quantized | None = None,
     ) -> None:
-        self.packed = pack(specs, buckets, dtype)
+        self.buckets = [list(names) for names in buckets]
+        self.packed = pack(specs, buckets, dtype, quantized)
+        self.quantized = quantized
         order = [[[s.name, list(s.shape), s.dtype, s.offset] for s in slots] for slots in self.packed]
         rendezvous.set(ORDER_KEY, json.dumps(order))
         self.members = members
@@ -205,13 +243,15 @@ class Leader:
         clock.lap("command")
         works: list[Work | None] = [None, None]
         for i, slots in enumerate(self.packed):
-            tensors = gather([s.name for s in slots])
+            tensors = gather(self.buckets[i])
             clock.lap("gather")
             pending = works[i % 2]
             if pending is not None:
                 pending.wait()
                 clock.lap("buffer_wait")
             flat = self.flat[i % 2]
+            if self.quantized is not None:
+                tensors = self.quantized.quantize(tensors)  # on the trainer, as RL frameworks do
             for slot in slots:
                 _view(flat, slot).copy_(tensors[slot.name])  # casts to the dtype sent
             del tensors

@@ -23,27 +23,42 @@ whole update as the bench runs it, the larger of two accounts:
 
 plus pause and finish. Only `nic="rank"` topologies are modelled (the planner packs
 engines onto nodes of one size).
+
+fp8 engines (`--fp8`): the shapes are the engines' fp8 weights plus their float32 scales at
+the run's block (per tensor: one scale per matrix), so every wire carries the fp8 bytes; each
+way's production is its measured produce phase, which holds its quantizing. The gather-free way
+gathers the quantized groups (a block's scale needs the whole block): its gathers are a stage,
+and its wire is its gathered share of the bytes at p2p's plan, the rest at the gather-free
+floor (an interpolation of the two plans, not a plan of its own).
 """
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..planner.pipeline import chunks_of, pipeline_seconds
 from ..transports.mooncake.pacing import SLEEP_SHARE
 from ..worlds.netbox import Link
 from .cluster import Topology
 
+if TYPE_CHECKING:
+    from ..planner.shapes import ShapeModel
+
 #: The planner's broadcast model of each broadcast way.
 BROADCAST_MODELS = {"broadcast": "tree", "broadcast-chain": "ring", "broadcast-fp32": "tree"}
+#: A block larger than any matrix: one scale per matrix, as per-tensor fp8 holds (sglang keeps one per
+#: shard of a fused matrix: a few bytes more than this).
+PER_MATRIX = 1 << 30
 #: Over this relative error the model, not the tolerance, is to be fixed.
 TOLERANCE = 0.20
 MODEL = (
     "pause + max(pipeline, box cores) + finish; pipeline: stages over chunks of bucket_bytes (p2p and broadcasts: "
     "gathers alone + what they wait behind the way's sends on a NIC both use, production, wire; gather-free: "
-    "production, wire floor; wire of the way's plan: p2p's, chain = ring, gloo = binomial tree); box cores = CPU-seconds (gathers on min(ranks, cores) cores, socket bytes at "
+    "production, wire floor, and where it gathers (fp8) those gathers and its gathered share of the bytes at p2p's "
+    "wire; wire of the way's plan: p2p's, chain = ring, gloo = binomial tree); box cores = CPU-seconds (gathers on "
+    "min(ranks, cores) cores, socket bytes at "
     "loopback rate on both ends, production, Mooncake's write threads spinning the unslept share of their wire "
     "time) / cores; link = one TCP connection's measured rate"
 )
@@ -66,14 +81,25 @@ def shared_nic_seconds(topology: Mapping[str, Any], way: Mapping[str, Any], link
     return waited
 
 
+def _shapes(setup: Mapping[str, Any]) -> ShapeModel:
+    """The engines' analytic per-rank shapes of the bench's model: bf16, or fp8 with the run's scales."""
+    from ..planner.shapes import analytic_shapes
+    from .model import hf_config
+
+    config, tp = hf_config(setup["model"]["size"]), setup["cluster"]["tp"]
+    fp8 = setup["engine"].get("fp8")  # results before --fp8 ran bf16 engines
+    if not fp8:
+        return analytic_shapes(config, tp, 1, "bf16", "the bench's model")
+    block = fp8["block"][0] if fp8["block"] else PER_MATRIX
+    return analytic_shapes(config, tp, 1, "fp8", "the bench's model, fp8", fp8_block=block)
+
+
 def predict_run(
     setup: Mapping[str, Any], ways: Mapping[str, Any], limits: list[Mapping[str, Any]], cores: int
 ) -> dict[str, Any]:
     """Each way's predicted seconds, its parts, and the error against its measured median."""
     from ..planner.cluster import Cluster
     from ..planner.predict import predict
-    from ..planner.shapes import analytic_shapes
-    from .model import hf_config
 
     topology = setup["cluster"]
     if topology["nic"] != "rank" or setup["engine"]["kind"] == "torch":
@@ -88,7 +114,7 @@ def predict_run(
         train_ranks=setup["trainers"], engines=topology["engines"], engine_tp=topology["tp"], gpus_per_node=node,
         nics_per_node=node, nic_gbps=link * 8, latency_us=50.0,
     )
-    shapes = analytic_shapes(hf_config(setup["model"]["size"]), topology["tp"], 1, "bf16", "the bench's model")
+    shapes = _shapes(setup)
     p2p = predict(cluster, shapes, "ring")
     wires = {name: predict(cluster, shapes, model).broadcast_s for name, model in BROADCAST_MODELS.items()}
     engine_ranks = topology["engines"] * topology["tp"]
@@ -119,7 +145,10 @@ def predict_run(
             pipeline = pipeline_seconds(list(parts.values()), buckets)
             cpu = sum(p2p.sender_bytes.values()) * socket_cost["mooncake"] + (1 - SLEEP_SHARE) * spin[name]
         elif name == "gather-free":
-            parts = {"production_s": production, "wire_s": p2p.floor_s}
+            free, gathered = way["gather_free_bytes"], way["gathered_bytes"]
+            share = gathered / (free + gathered) if gathered else 0.0
+            parts = {"gathers_s": gathers} if gathered else {}
+            parts |= {"production_s": production, "wire_s": share * p2p.p2p_s + (1 - share) * p2p.floor_s}
             pipeline = pipeline_seconds(list(parts.values()), buffers)
             cpu = sum(p2p.sender_bytes.values()) * socket_cost["mooncake"] + (1 - SLEEP_SHARE) * spin[name]
         elif name in wires:

@@ -3,7 +3,8 @@
 `torch`: one process per engine holding the demo's dense Qwen3 model (the identity
 layout: every engine rank holds full tensors, trainer dtype). `sglang` and `vllm`:
 `engine_tp` processes per engine, each the engine's own model of one TP rank of a
-Qwen3-MoE in bfloat16 (through the adapter's public `serve_rank`), so that p2psync sends
+Qwen3-MoE in bfloat16, or for sglang with `--fp8` of its fp8 checkpoint (see `fp8`; through
+the adapter's public `serve_rank`), so that p2psync sends
 each rank only its shard while the broadcast path sends full tensors that each rank's
 own loader slices.
 """
@@ -108,7 +109,7 @@ def start_rank(index: int, opts: BenchOptions, port: int) -> EngineRank:
         return EngineRank(endpoint, copy)
     from ..core.logs import configure
     from ..core.rendezvous import Rendezvous
-    from .model import hf_config
+    from .fp8 import engine_config
 
     if opts.engine == "sglang":
         from ..adapters.sglang import serve_rank
@@ -119,7 +120,7 @@ def start_rank(index: int, opts: BenchOptions, port: int) -> EngineRank:
     torch.set_num_threads(1)
     rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id=opts.job_id)
     endpoint, load = serve_rank(
-        hf_config(opts.size), tp=tp(opts), rank=rank, engine_id=engine_id, rendezvous=rendezvous,
+        engine_config(opts), tp=tp(opts), rank=rank, engine_id=engine_id, rendezvous=rendezvous,
         transport=opts.transport, dtype=MOE_ENGINE_DTYPE,
     )
     return EngineRank(endpoint, load)

@@ -224,6 +224,15 @@ def trainer_memory(memory: Mapping[str, int], gathers_of: Mapping[str, str]) -> 
     return out
 
 
+def _engine_dtype(engine: Mapping[str, Any]) -> str:
+    """The engines' dtype, and for fp8 engines their quantizer and block (every way quantizes on the trainer)."""
+    fp8 = engine.get("fp8")
+    if not fp8:
+        return str(engine["dtype"])
+    block = f"block {fp8['block']}" if fp8["block"] else "per tensor"
+    return f"fp8 {block} quantized by {fp8['quantizer']!r} on the trainer, {engine['dtype']} otherwise"
+
+
 def format_report(result: Mapping[str, Any]) -> str:
     """The run as text: setup, one row per way, where each way's time went and its bound,
     ratios, trainer memory, the machine."""
@@ -233,7 +242,7 @@ def format_report(result: Mapping[str, Any]) -> str:
     lines = [
         f"model {model['size']}: {model['parameters']:,} parameters, {_mb(model['bytes'])} ({model['dtype']}); "
         f"{s['trainers']} {TRAINERS[s.get('trainer', 'fsdp2')]} trainer ranks -> {s['engines']} {engine['kind']} engines "
-        f"({engine['tp']} rank{'s' if engine['tp'] > 1 else ''} each, {engine['dtype']}); transport "
+        f"({engine['tp']} rank{'s' if engine['tp'] > 1 else ''} each, {_engine_dtype(engine)}); transport "
         f"{s['transport']['transport']} ({s['transport'].get('protocol', '-')}); median of {s['updates']} updates "
         f"after "
         f"{s['warmup']} warm-up; load average {load[0]:.1f} before, {load[1]:.1f} after (a shared machine: "

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..worlds import launch
 from ..core.types import ParamSpec, numel
-from . import broadcast, cluster, cpu, engines, limits, results, rss, verify
+from . import broadcast, cluster, cpu, engines, fp8, limits, results, rss, verify
 from .options import TRAINERS, BenchOptions
 from .report import summary
 from .ways import WAYS, BroadcastWay, P2PWay, Way, make_ways
@@ -116,19 +116,21 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
     ids = engines.engine_ids(opts)
     for engine in ids:  # engine ranks build their models first: wait longer than connect does
         rendezvous.read_engine(engine, timeout=GROUP_TIMEOUT)
-    session = Session(
-        source=source, transport=opts.transport, rendezvous=rendezvous, options=opts.session, gather="always"
-    )
+    options = fp8.session_options(opts)  # fp8 engines: the layouts quantize with --fp8's quantizer
+    session = Session(source=source, transport=opts.transport, rendezvous=rendezvous, options=options, gather="always")
     session.connect(ids)
     gather_free = None
     if "gather-free" in ways_for(opts):
-        gather_free = Session(source=source, transport=session.transport, rendezvous=rendezvous, options=opts.session)
+        gather_free = Session(source=source, transport=session.transport, rendezvous=rendezvous, options=options)
         gather_free.connect(ids)
     buckets = session.stats().buckets  # the broadcast gathers the same buckets: only the way of sending differs
     dtype = engines.engine_dtype(opts)
     members = opts.engines * engines.tp(opts)
     specs = {s.name: s for s in source.param_specs()}
-    leader = broadcast.Leader(rendezvous, specs, buckets, dtype, members, GROUP_TIMEOUT) if rank == 0 else None
+    leader = None
+    if rank == 0:  # fp8 engines: the broadcast quantizes what the session's layouts quantize, as they do
+        quantized = fp8.quantized_for_broadcast(session, specs) if opts.fp8 else None
+        leader = broadcast.Leader(rendezvous, specs, buckets, dtype, members, GROUP_TIMEOUT, quantized)
     controls = _controls(session) if rank == 0 else []
     ways = make_ways(ways_for(opts), session, source, buckets, leader, controls, dtype, gather_free)
     plans, gathers = gather_plans(ways)
@@ -211,6 +213,7 @@ def _setup(opts: BenchOptions, specs: list[ParamSpec], transport: dict[str, Any]
         "engines": opts.engines,
         "engine": {
             "kind": opts.engine, "tp": engines.tp(opts), "dtype": engines.engine_dtype(opts) or "trainer's",
+            **fp8.setup(opts),
         },
         "transport": transport,
         "updates": opts.updates,
@@ -301,6 +304,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     if opts.trainer != "fsdp2" and opts.engine == "torch":
         raise ValueError(f"the {opts.trainer} trainer runs the sglang and vLLM engines' Qwen3-MoE, not torch engines")
     ways_for(opts)
+    fp8.check(opts)
     if opts.cluster is not None:
         _check_cluster(opts, opts.cluster)
         cluster.enter(opts.cluster)  # first: before any thread of this process starts

@@ -125,7 +125,7 @@ class QuantizedLayout(Layout):
         inputs: dict[str, torch.Tensor] = {}
         for name in group.inputs:
             if name in self.quantized:
-                inputs.update(self.quantizer.quantize(name, tensors[name].to(self.dtype)))
+                inputs.update(self.quantizer.quantize_from(name, tensors[name], self.dtype))
             else:
                 inputs[name] = tensors[name]
         return self.inner.fill(self._inner_of[group.outputs], inputs, out)

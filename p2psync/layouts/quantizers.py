@@ -183,6 +183,13 @@ class Quantizer:
             raise QuantizerError(f"quantizer {self.name!r}: {hf_name!r}: {exc}") from None
         return {hf_name: weight, scale_name: scale if self.block else scale.reshape(tensor.shape[:-2])}
 
+    def quantize_from(self, hf_name: str, tensor: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """`quantize` of `tensor` cast to `dtype` (the engine's unquantized dtype) first: the bytes of
+        quantizing the checkpoint the engine would serve unquantized, as verl does (`v.to(bf16)`
+        before its quantizer), whatever dtype the trainer holds. Every sender of an fp8 update
+        quantizes through here, so that all of them send the same bytes."""
+        return self.quantize(hf_name, tensor.to(dtype))
+
     def quantization_config(self) -> dict[str, Any]:
         """The HF `quantization_config` of a checkpoint holding this quantizer's tensors."""
         config: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}

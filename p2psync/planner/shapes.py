@@ -130,10 +130,13 @@ def _div(a: int, b: int, what: str) -> int:
 
 
 class _Builder:
-    """Parameters of one rank in engine dtype `dtype` ("bfloat16" or "fp8")."""
+    """Parameters of one rank in engine dtype `dtype` ("bfloat16" or "fp8", with a float32 scale
+    per `fp8_block` x `fp8_block` block)."""
 
-    def __init__(self, cfg: dict[str, Any], tp: int, ep: int, dtype: str, dp_attention: bool = False) -> None:
-        self.cfg, self.tp, self.ep = cfg, tp, ep
+    def __init__(
+        self, cfg: dict[str, Any], tp: int, ep: int, dtype: str, dp_attention: bool = False, fp8_block: int = FP8_BLOCK
+    ) -> None:
+        self.cfg, self.tp, self.ep, self.block = cfg, tp, ep, fp8_block
         self.attn_tp = 1 if dp_attention else tp  # DP attention: every rank holds the whole attention
         self.fp8 = dtype == "fp8"
         self.act = {"fp8": "bfloat16", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype)
@@ -145,7 +148,7 @@ class _Builder:
         lead = (experts,) if experts else ()
         if self.fp8 and quant:
             out.append(Param(f"{name}.weight" if not experts else name, (*lead, rows, cols), "float8_e4m3fn"))
-            scale = (*lead, ceil(rows / FP8_BLOCK), ceil(cols / FP8_BLOCK))
+            scale = (*lead, ceil(rows / self.block), ceil(cols / self.block))
             out.append(Param(f"{name}.weight_scale_inv" if not experts else f"{name}_scale_inv", scale, "float32"))
         else:
             out.append(Param(f"{name}.weight" if not experts else name, (*lead, rows, cols), self.act))
@@ -248,11 +251,12 @@ ANALYTIC_ARCHITECTURES = (
 
 
 def analytic_shapes(
-    cfg: dict[str, Any], tp: int, ep: int, dtype: str, why: str = "", dp_attention: bool = False
+    cfg: dict[str, Any], tp: int, ep: int, dtype: str, why: str = "", dp_attention: bool = False,
+    fp8_block: int = FP8_BLOCK,
 ) -> ShapeModel:
     """Shapes of every rank of an engine of `tp` ranks (experts over `ep`), by sglang's rules;
     with `dp_attention` every rank holds the whole attention (data-parallel attention, as
-    vLLM's and sglang's DP attention do), the rest as without."""
+    vLLM's and sglang's DP attention do), the rest as without; fp8 scales per `fp8_block`."""
     arch = (cfg.get("architectures") or ["?"])[0]
     if arch not in ANALYTIC_ARCHITECTURES:
         raise ValueError(
@@ -260,11 +264,11 @@ def analytic_shapes(
             "with sglang installed, --shapes sglang reads any architecture sglang supports"
         )
     kinds = layer_kinds(cfg)
-    builder = _Builder(cfg, tp, ep, dtype, dp_attention)
+    builder = _Builder(cfg, tp, ep, dtype, dp_attention, fp8_block)
     one = builder.rank(set(kinds))
     # Under these rules every rank of a (divisible) engine holds the same shapes: compute one, share it.
     ranks = [one] * tp
-    full_model = _Builder(cfg, 1, 1, dtype).rank(set(kinds))
+    full_model = _Builder(cfg, 1, 1, dtype, fp8_block=fp8_block).rank(set(kinds))
     numel = 0
     bf = _Builder(cfg, 1, 1, "bf16").rank(set(kinds))
     for part, n in _multiplicity(kinds, range(len(kinds)), True, True).items():

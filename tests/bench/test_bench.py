@@ -117,6 +117,111 @@ def test_bench_vllm_engine_ranks_receive_their_shard_only(capsys):
     _check_engine_bench(result, "vllm", _shard_bytes("vllm"))
 
 
+@pytest.mark.slow
+def test_bench_sglang_fp8_every_way_quantizes_on_the_trainer(capsys):
+    """--fp8 block-linear: sglang TP 2 ranks of moe-tiny serve an fp8 checkpoint at block [16, 16]
+    (each rank holds 16 rows of k, v and every expert's gate and up: no larger block divides them).
+    Every way leaves every rank's weights and scales equal to the reference's; the p2psync ways send
+    each rank exactly its fp8 shard and scales, the broadcasts every rank the whole fp8 checkpoint:
+    sizes computed here from the config's dimensions."""
+    pytest.importorskip("sglang", reason="the sglang engine bench needs sglang")
+    from p2psync.bench.model import MOE_CONFIGS
+
+    result = _run(capsys, "--engine", "sglang", "--size", "moe-tiny", "--fp8", "block-linear")
+    assert result["setup"]["engine"]["fp8"] == {"quantizer": "block-linear", "block": [16, 16]}
+    _check_common(result, {"p2p", "gather-free", "broadcast", "broadcast-chain", "broadcast-fp32"})
+    ways = result["ways"]
+    assert [n for n, w in ways.items() if w["reference"]] == ["broadcast-fp32"]
+    shard, full, tensors, full_bf16 = _fp8_bytes(MOE_CONFIGS["moe-tiny"], tp=2, block=16)
+    ranks = {f"sglang-{e}/{r}" for e in range(2) for r in range(2)}
+    for name in ("p2p", "gather-free"):
+        way = ways[name]
+        assert way["bytes_per_engine_rank"] == dict.fromkeys(ranks, shard), name
+        assert sum(way["bytes_per_sender"].values()) == 4 * shard, name
+    # gathering, each engine rank is one sender's: each sender's count is whole ranks' shards
+    assert all(n % shard == 0 and n > 0 for n in ways["p2p"]["bytes_per_sender"].values())
+    assert ways["gather-free"]["gathered_bytes"] > 0  # the quantized groups: a block's scale needs the whole block
+    for name in ("broadcast", "broadcast-chain", "broadcast-fp32"):
+        received = ways[name]["bytes_per_engine_rank"]
+        assert set(received) == ranks
+        # the fp8 checkpoint, each tensor aligned to 64 bytes in the flat buffer, far below its bf16
+        assert all(full <= n < full + 64 * tensors for n in received.values()), (name, received, full)
+        assert full + 64 * tensors < full_bf16
+        _check_broadcast_bytes(ways[name], receivers=4)
+
+
+@pytest.mark.parametrize(
+    "size,tp,block", [("moe-tiny", 2, 16), ("moe-tiny", 1, 32), ("moe-tiny", 4, 8), ("moe", 2, 128), ("moe", 4, 64)]
+)
+def test_fp8_bench_block_is_the_largest_sglang_builds(size, tp, block):
+    """--fp8's block: sglang builds the rank at it, and refuses twice it (its own check of the TP split)."""
+    pytest.importorskip("sglang", reason="sglang's rank models need sglang")
+    from p2psync.adapters.sglang import rank_params
+    from p2psync.bench import BenchOptions
+    from p2psync.bench.fp8 import engine_config
+
+    config = engine_config(BenchOptions(engine="sglang", size=size, engine_tp=tp, fp8="block-linear"))
+    assert config["quantization_config"]["weight_block_size"] == [block, block]
+    assert any(dtype == "float8_e4m3fn" for _, _, dtype in rank_params(config, tp=tp, rank=0))
+    config["quantization_config"]["weight_block_size"] = [2 * block, 2 * block]
+    with pytest.raises(ValueError, match="not divisible by weight quantization block"):
+        rank_params(config, tp=tp, rank=0)
+
+
+def test_fp8_bench_is_refused_before_anything_starts(capsys):
+    assert main(["bench", "--engine", "sglang", "--size", "moe-tiny", "--fp8", "block-cubic"]) == 2
+    assert "unknown fp8 quantizer 'block-cubic'; choose one of ['block-linear'," in capsys.readouterr().err
+    assert main(["bench", "--size", "tiny", "--fp8", "block-linear"]) == 2
+    assert "--fp8 runs sglang engines, not torch" in capsys.readouterr().err
+    assert main(["bench", "--delta", "--fp8", "block-linear"]) == 2
+    assert "--fp8 is a case of the bench of the ways" in capsys.readouterr().err
+
+
+def test_the_cluster_predictor_sizes_fp8_engines_as_the_config_does():
+    """The cluster predictor's shapes of an fp8 run: each rank's fp8 shard and scales, and the full
+    checkpoint the broadcasts send, as `_fp8_bytes` computes them from the config."""
+    from p2psync.bench.cluster_predict import _shapes
+    from p2psync.bench.model import MOE_CONFIGS
+
+    for tp, block in ((2, 16), (4, 8)):
+        setup = {"model": {"size": "moe-tiny"}, "cluster": {"tp": tp},
+                 "engine": {"fp8": {"quantizer": "block-linear", "block": [block, block]}}}
+        shapes = _shapes(setup)
+        layers = len(shapes.layer_kinds)
+        rank, full = shapes.ranks[0], shapes.full
+        shard, checkpoint, _, _ = _fp8_bytes(MOE_CONFIGS["moe-tiny"], tp=tp, block=block)
+        assert rank.part_bytes("embed") + rank.part_bytes("final") + layers * rank.part_bytes("moe") == shard
+        assert full.part_bytes("embed") + full.part_bytes("final") + layers * full.part_bytes("moe") == checkpoint
+
+
+def _fp8_bytes(c: dict[str, int], *, tp: int, block: int) -> tuple[int, int, int, int]:
+    """Of the Qwen3-MoE config `c` with every linear projection in fp8 and its float32 scale per
+    [block, block] (norms, embeddings, the router and the head in bfloat16): bytes of one of sglang's
+    TP ranks (fused qkv, w13, w2), bytes of the full checkpoint, its tensor count, and its bytes in
+    bfloat16."""
+    from math import ceil
+
+    def fp8(rows: int, cols: int, n: int = 1) -> int:
+        return n * (rows * cols + 4 * ceil(rows / block) * ceil(cols / block))
+
+    h, hd, inter, experts = c["hidden_size"], c["head_dim"], c["moe_intermediate_size"], c["num_experts"]
+    q, kv, layers = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd, c["num_hidden_layers"]
+    plain = 2 * (2 * h + 2 * hd + experts * h)  # two norms, q and k norms, the router
+
+    def rest(ranks: int) -> int:  # embeddings and head (their rows over TP), final norm
+        return 2 * (2 * c["vocab_size"] // ranks * h + h)
+
+    kv_rank = max(1, c["num_key_value_heads"] // tp) * hd  # sglang replicates KV heads where TP exceeds them
+    rank = fp8(q // tp + 2 * kv_rank, h) + fp8(h, q // tp)
+    rank += fp8(2 * inter // tp, h, experts) + fp8(h, inter // tp, experts)
+    full = fp8(q, h) + 2 * fp8(kv, h) + fp8(h, q) + fp8(inter, h, 2 * experts) + fp8(h, inter, experts)
+    bf16 = 2 * (q * h + 2 * kv * h + h * q + 3 * experts * inter * h)
+    quantized = 4 + 3 * experts
+    tensors = layers * (2 * quantized + 5) + 3
+    return (layers * (rank + plain) + rest(tp), layers * (full + plain) + rest(1), tensors,
+            layers * (bf16 + plain) + rest(1))
+
+
 def _check_engine_bench(result: dict[str, Any], kind: str, shards: dict[int, int]) -> None:
     from p2psync.bench.model import hf_shapes
     from p2psync.core.types import numel
