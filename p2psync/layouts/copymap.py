@@ -86,6 +86,22 @@ def replay(blocks: Sequence[Block], sources: Mapping[str, torch.Tensor], dst: to
         target.copy_(torch.as_strided(src, b.sizes, b.src_strides, src.storage_offset() + b.src_offset))
 
 
+def read_box(blocks: Sequence[Block], rows: int, cols: int) -> tuple[int, int, int, int]:
+    """(first row, end row, first column, end column) of a box holding every element `blocks`
+    read from a row-major matrix of `rows` x `cols`: a block whose runs all start in the same
+    column covers those columns of its rows, any other block its rows whole."""
+    r0, r1, c0, c1 = rows, 0, cols, 0
+    for b in blocks:
+        last = b.src_offset + sum((size - 1) * stride for size, stride in zip(b.sizes, b.src_strides))
+        r0, r1 = min(r0, b.src_offset // cols), max(r1, last // cols + 1)
+        column, run = b.src_offset % cols, b.sizes[-1]
+        if b.src_strides[-1] == 1 and all(s % cols == 0 for s in b.src_strides[:-1]) and column + run <= cols:
+            c0, c1 = min(c0, column), max(c1, column + run)
+        else:
+            c0, c1 = 0, cols
+    return r0, r1, c0, c1
+
+
 def _runs(dst: torch.Tensor, src: torch.Tensor, key: torch.Tensor) -> list[tuple[int, int, int, int]]:
     """(dst start, src start, length, key) of maximal runs where dst and src advance by one
     and key stays the same."""

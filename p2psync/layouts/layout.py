@@ -166,6 +166,19 @@ class EngineLayout(Layout):
                 replay(p.blocks, flat, p.slot.view(out).view(-1))
         return compiled.regions
 
+    def reads(self, group: ParamGroup) -> dict[str, list[Block]] | None:
+        """The blocks that read each input of `group` (an input they do not read is absent), or
+        None where the engine's loader produces one of its parameters: it may read every element."""
+        compiled = self._groups[group.outputs]
+        if any(p.blocks is None for p in compiled.params):
+            return None
+        out: dict[str, list[Block]] = {}
+        for p in compiled.params:
+            for b in p.blocks or ():
+                if b.source is not None:
+                    out.setdefault(b.source, []).append(b)
+        return out
+
     def copy_dtype(self, group: ParamGroup) -> str | None:
         compiled = self._groups[group.outputs]
         dtypes = {p.slot.dtype for p in compiled.params}

@@ -16,6 +16,11 @@ quantizing the checkpoint the engine would serve unquantized, as verl does (`v.t
 its quantizer), whatever dtype the trainer holds; and gathers may move bf16 instead of fp32
 (`copy_dtype` says the engine dtype, never fp8: quantization is not a cast). Blocks span
 trainer shards, so a quantized group is always gathered (`copy_runs` is None).
+
+A rank reads only its shard of each tensor, and block scales make every block independent of
+the others: where the layout only copies, the sender quantizes just the blocks holding what
+the rank reads (a TP rank of N, about 1/N of each matrix) and leaves the rest of the
+quantized tensor unwritten, which nothing reads (`_box`).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 from ..core.errors import ConnectError, where
 from ..core.layout import CopyRun, Layout, ParamGroup
 from ..core.types import ParamSpec, Region, TargetTable
+from .copymap import Block, read_box
 from .layout import EngineLayout, LoaderRefusal, Mode, traced_loader
 from .trace import LoaderTrace
 from .quantizers import FP8_DTYPE, INPUT_DTYPES, Quantizer, QuantizerError
@@ -93,12 +99,43 @@ class QuantizedLayout(Layout):
         return layout
 
     def _index(self) -> None:
-        """The inner layout's groups, read from the trainer's tensors: a scale is made from its weight."""
+        """The inner layout's groups, read from the trainer's tensors: a scale is made from its weight;
+        and what the inner layout's copies read of each input (`_box`)."""
         scales = {self.quantizer.scale_name(name) for name in self.quantized}
         self._inner_of = {g.outputs: g for g in self.inner.groups()}
         self._groups = [
             ParamGroup(tuple(n for n in g.inputs if n not in scales), g.outputs, g.nbytes) for g in self.inner.groups()
         ]
+        self._reads: dict[str, list[Block]] = {}
+        self._loader_read: set[str] = set()
+        for group in self.inner.groups():
+            reads = self.inner.reads(group)
+            for name in group.inputs:
+                if reads is None:
+                    self._loader_read.add(name)
+                else:
+                    self._reads.setdefault(name, []).extend(reads.get(name, []))
+        self._boxes: dict[str, tuple[int, int, int, int] | None] = {}
+
+    def _box(self, name: str, shape: Sequence[int]) -> tuple[int, int, int, int] | None:
+        """(rows, columns) of quantized matrix `name` that this rank's copies read, weight and
+        scale, widened to whole quantizer blocks: the part the sender quantizes. None where that
+        is the whole matrix, the quantizer has one scale per matrix, or the engine's loader
+        reads the weight or its scale."""
+        if name in self._boxes:
+            return self._boxes[name]
+        scale, block = self.quantizer.scale_name(name), self.quantizer.block
+        box = None
+        if block is not None and len(shape) == 2 and not {name, scale} & self._loader_read:
+            (m, n), (bm, bn) = shape, block
+            r0, r1, c0, c1 = read_box(self._reads.get(name, []), m, n)
+            s0, s1, t0, t1 = read_box(self._reads.get(scale, []), -(-m // bm), -(-n // bn))
+            r0, r1, c0, c1 = min(r0, s0 * bm), max(r1, s1 * bm), min(c0, t0 * bn), max(c1, t1 * bn)
+            widened = (r0 // bm * bm, min(m, -(-r1 // bm) * bm), c0 // bn * bn, min(n, -(-c1 // bn) * bn))
+            if widened[0] < widened[1] and widened[2] < widened[3] and widened != (0, m, 0, n):
+                box = widened
+        self._boxes[name] = box
+        return box
 
     # -- what the tests and the session read ---------------------------------------------------
 
@@ -125,10 +162,26 @@ class QuantizedLayout(Layout):
         inputs: dict[str, torch.Tensor] = {}
         for name in group.inputs:
             if name in self.quantized:
-                inputs.update(self.quantizer.quantize_from(name, tensors[name], self.dtype))
+                inputs.update(self._quantize(name, tensors[name]))
             else:
                 inputs[name] = tensors[name]
         return self.inner.fill(self._inner_of[group.outputs], inputs, out)
+
+    def _quantize(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The fp8 weight and scale of HF tensor `name`: whole, or only the blocks of its box,
+        in place in tensors of the whole shapes whose other elements are left unwritten."""
+        box = self._box(name, tensor.shape)
+        if box is None:
+            return self.quantizer.quantize_from(name, tensor, self.dtype)
+        assert self.quantizer.block is not None  # boxes are only made for block quantizers
+        (r0, r1, c0, c1), (bm, bn) = box, self.quantizer.block
+        part = self.quantizer.quantize_from(name, tensor[r0:r1, c0:c1], self.dtype)
+        scale_name = self.quantizer.scale_name(name)
+        weight = torch.empty(tensor.shape, dtype=FP8_DTYPE)
+        weight[r0:r1, c0:c1] = part[name]
+        scale = torch.empty(self.quantizer.scale_shape(tensor.shape), dtype=part[scale_name].dtype)
+        scale[r0 // bm : -(-r1 // bm), c0 // bn : -(-c1 // bn)] = part[scale_name]
+        return {name: weight, scale_name: scale}
 
     def copy_dtype(self, group: ParamGroup) -> str | None:
         """The engine dtype where every input is quantized (the fill casts to it first; never the

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2psync.layouts.copymap import CONSTANT, COPY, UNTOUCHED, compile_blocks, replay, written_runs
+from p2psync.layouts.copymap import CONSTANT, COPY, UNTOUCHED, compile_blocks, read_box, replay, written_runs
 
 
 def element_map(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -64,6 +64,30 @@ def test_column_shards_transposes_and_holes_replay_exactly(rows, cols, parts, da
     index[holes] = -1
     out, _ = replayed(index, [("w", 0)], {"w": rows * cols * parts})
     assert torch.equal(out, index.to(torch.float64))
+
+
+@given(st.integers(1, 6), st.integers(1, 6), st.integers(1, 3), st.integers(1, 3), st.data())
+@settings(max_examples=60, deadline=None)
+def test_the_read_box_of_a_shard_is_the_rows_and_columns_it_reads(rows, cols, row_parts, col_parts, data):
+    """A rank reading one (row part, column part) tile of a matrix, as row- and column-split TP
+    shards do: the box of its blocks is that tile exactly (the oracle: the tile's own slice)."""
+    height, width = rows * row_parts, cols * col_parts
+    codes = torch.arange(height * width).view(height, width)
+    r, c = data.draw(st.integers(0, row_parts - 1)), data.draw(st.integers(0, col_parts - 1))
+    index = codes[r * rows : (r + 1) * rows, c * cols : (c + 1) * cols].clone()
+    if data.draw(st.booleans()):  # the parameter may hold the tile transposed: the same elements are read
+        index = index.t().contiguous()
+    blocks = compile_blocks(*element_map(index), [("w", 0)])
+    assert blocks is not None
+    assert read_box(blocks, height, width) == (r * rows, (r + 1) * rows, c * cols, (c + 1) * cols)
+
+
+def test_the_read_box_of_blocks_that_wrap_rows_takes_those_rows_whole():
+    """Elements 3..8 of a 3 x 4 matrix run across a row end: rows 0-2, every column."""
+    index = torch.arange(3, 9)
+    blocks = compile_blocks(*element_map(index), [("w", 0)])
+    assert blocks is not None and read_box(blocks, 3, 4) == (0, 3, 0, 4)
+    assert read_box([], 3, 4) == (3, 0, 4, 0)  # nothing read: an empty box
 
 
 def test_a_column_split_weight_is_one_block():
