@@ -223,7 +223,7 @@ def _cluster_row(name: str, r: dict[str, Any]) -> list[str]:
     ratio = r["ratios"][f"{best}/gather-free"]
     link = statistics.mean(m["raw_link"]["gbps"] for m in (r["limits"], r["limits_after"]))
     return [
-        name, f"({c['name']}) {r['setup']['trainers']} -> {c['engines']} x TP{c['tp']}",
+        name, f"({c['name']}) {r['setup']['trainers']} -> {c['engines']} x TP{c['tp']}{_fp8(r)}",
         f"{c['link_gbit']:g} ({link * 8:.2f})", _load(r), _way(r, "gather-free"), f"{default['over_bound']:.2f}x",
         _way(r, "p2p"), f"{ways['p2p']['over_bound']:.2f}x", _way(r, "broadcast-chain"), _way(r, "broadcast"),
         _way(r, "broadcast-fp32"), best, f"{ratio['of_medians']:.2f}x ({min(ratio['per_round']):.2f}-"
@@ -248,7 +248,12 @@ def _prediction_row(name: str, r: dict[str, Any], ways: list[str]) -> list[str]:
         return f"{p['predicted_s']:.2f} / {p['measured_s']:.2f} ({p['error']:+.0%})" if p else "-"
 
     c = r["setup"]["cluster"]
-    return [name, f"({c['name']}) {c['link_gbit']:g}", *[cell(w) for w in ways]]
+    return [name, f"({c['name']}) {c['link_gbit']:g}{_fp8(r)}", *[cell(w) for w in ways]]
+
+
+def _fp8(r: dict[str, Any]) -> str:
+    """", fp8" for a run whose engines served fp8 (results before --fp8 ran bf16 engines)."""
+    return ", fp8" if r["setup"]["engine"].get("fp8") else ""
 
 
 def render_cluster(runs: list[tuple[str, dict[str, Any]]]) -> str:

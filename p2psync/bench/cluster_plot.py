@@ -1,6 +1,6 @@
 """The cluster bench's plot: seconds per update against the link's rate, one line per way, one
 panel per topology, from saved `p2psync bench --cluster --save` results (matplotlib, if
-installed); each way's wire bound dotted beside it.
+installed); each way's wire bound dotted beside it, and runs with fp8 engines as crosses.
 
 It needs nothing of p2psync: the engine environments have no matplotlib, so saved results can
 be drawn by any Python that has it, `python p2psync/bench/cluster_plot.py OUT.png RESULT.json...`."""
@@ -15,14 +15,18 @@ from typing import Any
 WAYS = ("gather-free", "p2p", "broadcast", "broadcast-chain", "broadcast-fp32")
 
 
-def by_topology(results: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """Cluster results grouped by topology, each group by rising link rate."""
-    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for result in results:
+def by_topology(results: list[dict[str, Any]], fp8: bool = False) -> dict[str, list[dict[str, Any]]]:
+    """Cluster results of bf16 engines (`fp8`: of fp8 engines) grouped by topology, each group
+    by rising link rate, the latest run where several ran at one rate."""
+    latest: dict[tuple[str, float], dict[str, Any]] = {}
+    for result in sorted(results, key=lambda r: r["started"]):
         topology = result["setup"].get("cluster")
-        if topology:
-            groups[topology["name"]].append(result)
-    return {name: sorted(runs, key=lambda r: r["setup"]["cluster"]["link_gbit"]) for name, runs in sorted(groups.items())}
+        if topology and bool(result["setup"]["engine"].get("fp8")) == fp8:
+            latest[topology["name"], topology["link_gbit"]] = result
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for (name, _), result in sorted(latest.items()):
+        groups[name].append(result)
+    return dict(groups)
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> str:
@@ -34,7 +38,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "no plot: matplotlib is not installed in this environment"
-    groups = by_topology(results)
+    groups, fp8_groups = by_topology(results), by_topology(results, fp8=True)
     if not groups:
         return "no plot: none of the results ran in a cluster in a box"
     figure, panels = plt.subplots(1, len(groups), figsize=(5.2 * len(groups), 4.2), squeeze=False)
@@ -44,6 +48,10 @@ def plot(results: list[dict[str, Any]], path: Path) -> str:
             rates = [rate for rate, _ in points]
             axes.plot(rates, [w["seconds"] for _, w in points], marker="o", color=f"C{i}", label=way)
             axes.plot(rates, [w["bound_seconds"] for _, w in points], linestyle=":", color=f"C{i}")
+            fp8 = [(r["setup"]["cluster"]["link_gbit"], r["ways"][way]["seconds"]) for r in fp8_groups.get(name, [])
+                   if way in r["ways"]]
+            if fp8:
+                axes.plot(*zip(*fp8), marker="x", linestyle="none", color=f"C{i}", label=f"{way}, fp8 engines")
         s = runs[0]["setup"]
         axes.set_title(f"({name}) {s['trainers']} trainer ranks -> {s['engines']} {s['engine']['kind']} x TP "
                        f"{s['engine']['tp']}", fontsize=9)

@@ -140,3 +140,17 @@ def test_gathers_wait_behind_the_sends_on_a_trainer_nic_both_use():
     way["nic_bytes"]["node0/rank0"] = 1_000_000_000
     assert shared_nic_seconds(topology, way, 1e8) == pytest.approx(1.0)
     assert shared_nic_seconds(topology, {**way, "gathers_alone_seconds": 0.0}, 1e8) == 0.0  # gather-free
+
+
+def test_the_plot_draws_the_latest_run_at_each_rate_and_fp8_runs_apart():
+    from p2psync.bench.cluster_plot import by_topology
+
+    def run(name: str, gbit: float, started: float, fp8: bool = False) -> dict:
+        engine = {"kind": "sglang", "fp8": {"quantizer": "block-linear", "block": [128, 128]} if fp8 else None}
+        return {"started": started, "setup": {"cluster": {"name": name, "link_gbit": gbit}, "engine": engine}}
+
+    rerun, older, faster = run("b", 2.0, 30.0), run("b", 2.0, 10.0), run("b", 0.5, 20.0)
+    fp8, loopback = run("a", 0.5, 40.0, fp8=True), {"started": 0.0, "setup": {"cluster": None, "engine": {}}}
+    results = [rerun, fp8, older, loopback, faster]
+    assert by_topology(results) == {"b": [faster, rerun]}
+    assert by_topology(results, fp8=True) == {"a": [fp8]}
