@@ -7,10 +7,9 @@ named quantizer (`p2psync.layouts.quantizers`) at the largest block of 128, 64, 
 that every TP shard divides (sglang refuses a block its split cuts: the `moe` size at TP 2
 takes [128, 128], `moe-tiny` [16, 16], at TP 4 [64, 64] and [8, 8]). The p2psync ways
 quantize in their layouts (`QuantizedLayout`), with the quantizer given as the sessions'
-engine option; the broadcast
-ways quantize on trainer rank 0 the HF tensors those same layouts quantize, with the
-layouts' own quantizer and input dtype (`quantized_for_broadcast`), so that every way sends
-the same fp8 bytes.
+engine option; the broadcast ways quantize on trainer rank 0 the HF tensors those same
+layouts quantize, with the layouts' own quantizer and input dtype
+(`quantized_for_broadcast`), so that every way sends the same fp8 bytes.
 """
 
 from __future__ import annotations
