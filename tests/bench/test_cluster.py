@@ -97,9 +97,9 @@ KEPT = sorted(p for topology in ("a", "b")
 @pytest.mark.parametrize("path", KEPT, ids=[p.stem for p in KEPT])
 def test_the_planner_predicts_the_bytes_on_every_kept_runs_busiest_nic(path):
     """The planner's real plan of each kept sglang run (topologies a and b: the trainer ranks on
-    one node, so nothing but the update crosses a link) puts on its busiest NIC what the tc
-    counters measured there, within 2% (headers and control messages): p2psync's plan, and the
-    broadcasts' binomial tree (gloo) and ring (the chain)."""
+    one node, so nothing but the update crosses a link; bf16 or fp8 engines) puts on its
+    busiest NIC what the tc counters measured there, within 2% (headers and control messages):
+    p2psync's plan, and the broadcasts' binomial tree (gloo) and ring (the chain)."""
     from p2psync.planner.cluster import Cluster
     from p2psync.planner.predict import predict
     from p2psync.planner.shapes import analytic_shapes
@@ -111,7 +111,9 @@ def test_the_planner_predicts_the_bytes_on_every_kept_runs_busiest_nic(path):
     node = max([*topology["trainer_nodes"], topology["tp"]])
     cluster = Cluster(train_ranks=setup["trainers"], engines=topology["engines"], engine_tp=topology["tp"],
                       gpus_per_node=node, nics_per_node=node, nic_gbps=1.0, latency_us=0.0)
-    shapes = analytic_shapes(hf_config(setup["model"]["size"]), topology["tp"], 1, "bf16", "the bench's model")
+    fp8 = setup["engine"].get("fp8")  # fp8 engines: each rank's fp8 shard and its block scales
+    dtype, blocks = ("fp8", {"fp8_block": fp8["block"][0]}) if fp8 else ("bf16", {})
+    shapes = analytic_shapes(hf_config(setup["model"]["size"]), topology["tp"], 1, dtype, "the bench's model", **blocks)
     ways = result["ways"]
     sends = {model: predict(cluster, shapes, model) for model in ("ring", "tree")}
     for way, predicted in [
