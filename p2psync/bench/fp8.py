@@ -67,11 +67,10 @@ def quantizer(opts: BenchOptions) -> Quantizer | None:
     if opts.fp8 is None:
         return None
     from ..layouts import quantizers
-    from .engines import tp
 
     if opts.fp8 in quantizers.PER_TENSOR:
         return quantizers.get(opts.fp8)
-    edge = block(opts.size, tp(opts))
+    edge = block(opts.size, opts.engine_tp)  # fp8 runs sglang engines, of engine_tp ranks each
     return quantizers.get(opts.fp8, [edge, edge])
 
 

@@ -46,8 +46,6 @@ class Compiled:
     work: list[list[tuple[UnitWrites, list[ParamGroup]]]]
     #: Gather-free: per unit, this rank's packings of its own shards.
     packed: list[tuple[UnitWrites, list[Packing]]]
-    #: The HF tensors whose local shards the packings read.
-    packed_inputs: list[str]
     #: HF tensors gathered cast to a narrower dtype.
     gather_dtypes: dict[str, str]
     #: Every target this rank writes to (its peers).
@@ -159,7 +157,6 @@ def compile_connection(
         buckets=buckets,
         work=work,
         packed=packed_writes,
-        packed_inputs=sorted({n for packings in packed.values() for g in packings for n in g.inputs}),
         gather_dtypes=narrower_dtypes(sender.specs, reads),
         targets=targets,
         degraded=degraded,

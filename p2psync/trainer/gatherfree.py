@@ -65,6 +65,11 @@ class Packing:
     regions: list[Region] = field(default_factory=list)
 
     @cached_property
+    def sources(self) -> list[str]:
+        """The HF tensors whose local shards this packing reads."""
+        return sorted({c.source for c in self.copies})
+
+    @cached_property
     def slot(self) -> PackedSlot:
         """This packing's baseline key (once compiled, its regions do not change)."""
         return PackedSlot(tuple(self.regions), self.nbytes)

@@ -196,23 +196,18 @@ class UpdateRun:
         out: list[tuple[UnitWrites, dict[str, Produced]]] = []
         if not self.compiled.packed:
             return out
-        shards = self.failures.run(
-            "the source's local shards", lambda: self.source.local_shards(self.compiled.packed_inputs)
-        )
-        if shards is not None:
-            for writes, packings in self.compiled.packed:
-                send = functools.partial(self._send_packed, writes, packings, shards, steps, out)
-                self.failures.run(f"gather-free unit {writes.unit}", send)
-        del shards
+        for writes, packings in self.compiled.packed:
+            send = functools.partial(self._send_packed, writes, packings, steps, out)
+            self.failures.run(f"gather-free unit {writes.unit}", send)
         self.clock.lap("produce")
         return out
 
     def _send_packed(
-        self, writes: UnitWrites, packings: Sequence[Packing], shards: Mapping[str, Any], steps: Steps,
+        self, writes: UnitWrites, packings: Sequence[Packing], steps: Steps,
         out: list[tuple[UnitWrites, dict[str, Produced]]],
     ) -> None:
         sent: dict[str, Produced] = {}
-        fills: list[Fill] = [(p.nbytes, functools.partial(_fill_packed, p, shards), p.slot) for p in packings]
+        fills: list[Fill] = [(p.nbytes, functools.partial(_fill_packed, p, self.source), p.slot) for p in packings]
         self._send(writes, fills, sent)
         out.append((writes, sent))
         self._progressed()
@@ -378,8 +373,11 @@ class UpdateRun:
         )
 
 
-def _fill_packed(packing: Packing, shards: Mapping[str, Any], out: torch.Tensor) -> list[Region]:
-    packing.fill(shards, out)
+def _fill_packed(packing: Packing, source: TrainerSource, out: torch.Tensor) -> list[Region]:
+    """Fill `packing` from the local shards of its own inputs, read as it fills: a source whose
+    shard of a tensor is a copy (Megatron's q, k and v rows of a fused QKV shard) holds one
+    group's copies at a time, not the whole model's."""
+    packing.fill(source.local_shards(packing.sources), out)
     return packing.regions
 
 

@@ -64,11 +64,11 @@ def test_every_ranks_compiled_work_rebuilds_each_engines_own_load(gather_free):
         compiled = compile_for(rank, tables, sources, held_ranges)
         plans.append(compiled.plan)
         assert bool(compiled.packed) == gather_free
-        shards = ShardSource(sources, held_ranges[rank] if gather_free else None).local_shards(compiled.packed_inputs)
+        source = ShardSource(sources, held_ranges[rank] if gather_free else None)
         for writes, packings in compiled.packed:
             for packing in packings:
                 out = torch.zeros(packing.nbytes, dtype=torch.uint8)
-                packing.fill(shards, out)
+                packing.fill(source.local_shards(packing.sources), out)
                 for table in writes.targets:
                     land(held, written, table, packing.regions, out)
         for i, names in enumerate(compiled.buckets):
