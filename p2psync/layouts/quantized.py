@@ -177,9 +177,10 @@ class QuantizedLayout(Layout):
         (r0, r1, c0, c1), (bm, bn) = box, self.quantizer.block
         part = self.quantizer.quantize_from(name, tensor[r0:r1, c0:c1], self.dtype)
         scale_name = self.quantizer.scale_name(name)
-        weight = torch.empty(tensor.shape, dtype=FP8_DTYPE)
+        weight = torch.empty(tensor.shape, dtype=FP8_DTYPE, device=tensor.device)
         weight[r0:r1, c0:c1] = part[name]
-        scale = torch.empty(self.quantizer.scale_shape(tensor.shape), dtype=part[scale_name].dtype)
+        scale_shape = self.quantizer.scale_shape(tensor.shape)
+        scale = torch.empty(scale_shape, dtype=part[scale_name].dtype, device=tensor.device)
         scale[r0 // bm : -(-r1 // bm), c0 // bn : -(-c1 // bn)] = part[scale_name]
         return {name: weight, scale_name: scale}
 
