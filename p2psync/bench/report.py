@@ -89,7 +89,7 @@ def summary(raw: Mapping[str, Any], limits: Mapping[str, Any], limits_after: Map
         way["wire_seconds_at_raw"] = way["wire_bytes"] / rate / 1e9 if rate else None
         way["bound_seconds"] = max(way["gathers_alone_seconds"], way["wire_seconds_at_raw"] or 0.0)
         way["over_bound"] = way["seconds"] / way["bound_seconds"]
-        way.update(_cpu_figures(raw.get("cpu_seconds", {}), name, gathers, way["seconds"]))
+        way.update(_cpu_figures(raw.get("cpu", {}), name, gathers))
         if reference is None or name not in held or reference not in held:
             way["verified_by"] = (
                 "p2psync's digest check" if spec.get("p2psync") else "not compared (no reference way ran)"
@@ -124,14 +124,18 @@ def summary(raw: Mapping[str, Any], limits: Mapping[str, Any], limits_after: Map
     }
 
 
-def _cpu_figures(cpu: Mapping[str, Sequence[float]], name: str, gathers: str, seconds: float) -> dict[str, Any]:
+def _cpu_figures(cpu: Mapping[str, Sequence[Sequence[float]]], name: str, gathers: str) -> dict[str, Any]:
     """The machine's CPU-seconds in a way's timed updates and in its gathers alone (medians),
-    and the share of the cores' time the way kept busy (1.0: every core busy throughout)."""
+    and the share of the cores' time the way kept busy over the seconds they were counted
+    over (1.0: every core busy throughout). Those seconds are the update's and the barrier
+    before it: a way's own seconds start after the barrier, where the CPU-seconds cannot."""
     if not cpu.get(name):
         return {}
-    spent = statistics.median(cpu[name])
-    return {"cpu_seconds": spent, "gathers_alone_cpu_seconds": statistics.median(cpu[gathers]) if cpu.get(gathers)
-            else None, "cores_busy": spent / (seconds * (os.cpu_count() or 1))}
+    spent = statistics.median(c for c, _ in cpu[name])
+    window = statistics.median(w for _, w in cpu[name])
+    alone = statistics.median(c for c, _ in cpu[gathers]) if cpu.get(gathers) else None
+    return {"cpu_seconds": spent, "cpu_window_seconds": window, "gathers_alone_cpu_seconds": alone,
+            "cores_busy": spent / (window * (os.cpu_count() or 1))}
 
 
 def _nic_figures(updates: Sequence[Mapping[str, int]]) -> dict[str, Any]:

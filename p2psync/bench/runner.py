@@ -150,12 +150,13 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
         steps += [(name, partial(_gathers_alone, source, *plan, progress), None) for name, plan in plans.items()]
         for name, run, way in steps:
             bar.set_description(name)
-            before, sent_before, busy_before = rss.reset_peak(), nics() if nics else {}, busy() if busy else 0.0
+            before, sent_before = rss.reset_peak(), nics() if nics else {}
+            busy_before, window_start = busy() if busy else 0.0, time.monotonic()
             took = run()
+            spent = (busy() - busy_before, time.monotonic() - window_start) if busy else None
             sent = {nic: n - sent_before[nic] for nic, n in nics().items()} if nics else {}
-            cpu_seconds = busy() - busy_before if busy else None
             measured.record(name, took, way, first=i == 0, timed=i >= opts.warmup, rss_before=before, nic_bytes=sent,
-                            cpu_seconds=cpu_seconds)
+                            cpu=spent)
     bar.set_description("verify")
     held = _verify(ways, leader, session, measured.broadcast_log, progress)
     bar.close()
@@ -193,7 +194,7 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
             "members": [engines.member(opts, i) for i in range(members)],
             "rank_bytes": {w.name: _rank_bytes(w.reports[rounds - 1]) for w in p2p_ways},
             "payload": sum(broadcast.flat_bytes(s) for s in leader.packed) if leader else 0,
-            "nic_bytes": measured.nic_bytes, "cpu_seconds": measured.cpu_seconds,
+            "nic_bytes": measured.nic_bytes, "cpu": measured.cpu,
         })
 
 
@@ -237,16 +238,17 @@ class Rounds:
         self.memory: dict[str, int] = {}
         self.broadcast_log: list[str] = []
         self.nic_bytes: dict[str, list[dict[str, int]]] = {name: [] for name in self.seconds}
-        self.cpu_seconds: dict[str, list[float]] = {name: [] for name in self.seconds}
+        self.cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in self.seconds}
 
     def record(
         self, step: str, took: float, way: Way | None, *, first: bool, timed: bool, rss_before: int,
-        nic_bytes: dict[str, int], cpu_seconds: float | None,
+        nic_bytes: dict[str, int], cpu: tuple[float, float] | None,
     ) -> None:
         """One step's result. RSS: what it added at its peak on its first run and on the worst
         later one, and what its first run left resident beyond free heap pages. `nic_bytes`: what
-        each NIC of a cluster in a box sent meanwhile (empty outside one). `cpu_seconds`: what
-        the machine's cores spent meanwhile (None where not measured)."""
+        each NIC of a cluster in a box sent meanwhile (empty outside one). `cpu`: the CPU-seconds
+        the machine's cores spent meanwhile and the wall seconds they were counted over (the
+        step's own seconds and its barrier; None where not measured)."""
         key = f"{step}_{'first' if first else 'later'}_added_bytes"
         self.memory[key] = max(self.memory.get(key, 0), rss.peak() - rss_before)
         if first:
@@ -258,8 +260,8 @@ class Rounds:
             self.seconds[step].append(took)
             if nic_bytes:
                 self.nic_bytes[step].append(nic_bytes)
-            if cpu_seconds is not None:
-                self.cpu_seconds[step].append(cpu_seconds)
+            if cpu is not None:
+                self.cpu[step].append(cpu)
             if way is not None:
                 self.phases[step].append(way.phase_seconds)
                 self.sent[step].append(way.sent_bytes)
