@@ -7,38 +7,44 @@ each way's production (its produce phase: casts and strided copies, not a memcpy
 loopback socket rates of Mooncake and gloo, and each way's pause and finish calls. It
 predicts the wire of every way from its real plan (`planner.predict`: p2psync's plan, the
 gather-free floor, the chain as NCCL's ring, gloo's broadcast as its binomial tree), and the
-whole update as the bench runs it, the larger of two accounts:
+whole update as the bench runs it: its steps over its chunks as a flow shop whose steps share
+the box's cores (`planner.pipeline.shared_seconds`), plus pause and finish.
 
-- the pipeline: each way's stages (p2p, gathering, and the broadcasts: gathers, production,
-  wire; gather-free: production, wire) over its chunks (buckets of `bucket_bytes`; a
-  gather-free rank's bytes in transfer buffers of that size), a chunk entering a stage once
-  it left the one before and the stage is free: the largest stage plus the others' first
-  and last chunks;
-- the box's cores: every emulated node shares this machine's cores, so the CPU-seconds of a
-  way (gathers alone on min(trainer ranks, cores) cores, every socket byte at the loopback
-  rate of its transport on both of its ends, production, and for Mooncake the write threads'
-  spinning wait: one per trainer rank and engine, for the share of its wire time that
-  `transports.mooncake.pacing` does not sleep through) over the cores bound it too. On a
-  cluster each rank has cores of its own and this term vanishes;
+- The steps: the p2p way's gathers (on the thread that gathers ahead), production (the
+  update's main thread) and wire, over buckets of `bucket_bytes`; the broadcasts' gathers and
+  production both on their one thread, then the wire; the gather-free way's production and
+  wire over the transfer buffers it fills for each engine shard, then, where it gathers some
+  groups (fp8), those as the p2p way sends them. A chunk enters the pipeline once the one
+  before it left its first step, and each resource serves one chunk at a time.
+- The cores: every emulated node shares this machine's cores, so each step also spends
+  CPU-seconds (the gathers' as measured alone; every socket byte at the loopback rate of its
+  transport on both of its ends; production; for Mooncake the write threads' spinning wait:
+  one per trainer rank and engine, for the share of its wire time that
+  `transports.mooncake.pacing` does not sleep through), and steps running at once that want
+  more cores than there are share them and slow down. On a cluster each rank has cores of its
+  own and the steps run as the plain pipeline does.
 
-plus pause and finish. Only `nic="rank"` topologies are modelled (the planner packs
-engines onto nodes of one size).
+A byte across the shaped link costs no more CPU than one inside a node: measured with one TCP
+connection and a socket loop on both, 0.3-0.6 CPU-s/GB across at 0.5 and 2 Gbit/s against
+0.6-0.67 inside (2026-12-06).
+
+Only `nic="rank"` topologies are modelled (the planner packs engines onto nodes of one size).
 
 fp8 engines (`--fp8`): the shapes are the engines' fp8 weights plus their float32 scales at
 the run's block (per tensor: one scale per matrix), so every wire carries the fp8 bytes; each
 way's production is its measured produce phase, which holds its quantizing. The gather-free way
-gathers the quantized groups (a block's scale needs the whole block): its gathers are a stage,
-and its wire is its gathered share of the bytes at p2p's plan, the rest at the gather-free
-floor (an interpolation of the two plans, not a plan of its own).
+gathers the quantized groups (a block's scale needs the whole block), after its own shards:
+those go at the gather-free floor, the gathered share of the bytes at p2p's plan.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..planner.pipeline import chunks_of, pipeline_seconds
+from ..planner.pipeline import Step, chunks_of, shared_seconds
 from ..transports.mooncake.pacing import SLEEP_SHARE
 from ..worlds.netbox import Link
 from .cluster import Topology
@@ -51,16 +57,19 @@ BROADCAST_MODELS = {"broadcast": "tree", "broadcast-chain": "ring", "broadcast-f
 #: A block larger than any matrix: one scale per matrix, as per-tensor fp8 holds (sglang keeps one per
 #: shard of a fused matrix: a few bytes more than this).
 PER_MATRIX = 1 << 30
+#: The resources a way's steps occupy: the update's main thread (production, and the broadcasts'
+#: gathers), the p2p gathers' thread ahead of it, and the wire.
+MAIN, GATHERS, WIRE = "main thread", "gathers", "wire"
 #: Over this relative error the model, not the tolerance, is to be fixed.
 TOLERANCE = 0.20
 MODEL = (
-    "pause + max(pipeline, box cores) + finish; pipeline: stages over chunks of bucket_bytes (p2p and broadcasts: "
-    "gathers alone + what they wait behind the way's sends on a NIC both use, production, wire; gather-free: "
-    "production, wire floor, and where it gathers (fp8) those gathers and its gathered share of the bytes at p2p's "
-    "wire; wire of the way's plan: p2p's, chain = ring, gloo = binomial tree); box cores = CPU-seconds (gathers on "
-    "min(ranks, cores) cores, socket bytes at "
-    "loopback rate on both ends, production, Mooncake's write threads spinning the unslept share of their wire "
-    "time) / cores; link = one TCP connection's measured rate"
+    "pause + steps over chunks as a flow shop sharing the box's cores + finish; steps: p2p = gathers (thread ahead), "
+    "production, wire over buckets; broadcasts = gathers and production on one thread, then wire; gather-free = "
+    "production, wire over each engine shard's transfer buffers, then (fp8) its gathered groups as p2p sends them; "
+    "gathers also wait behind the way's sends on a NIC both use; wire of the way's plan: p2p's, gather-free floor, "
+    "chain = ring, gloo = binomial tree; CPU-seconds: gathers as measured alone, socket bytes at loopback rate on "
+    "both ends, production, Mooncake's write threads spinning the unslept share of their wire time; link = one "
+    "TCP connection's measured rate"
 )
 
 
@@ -120,10 +129,20 @@ def predict_run(
     engine_ranks = topology["engines"] * topology["tp"]
     model_bytes = max(p2p.stage_full_bytes)
     buckets = chunks_of(model_bytes, setup["bucket_bytes"])
-    buffers = chunks_of(max(p2p.sender_bytes.values()), setup["bucket_bytes"])
+    max_sent = max(p2p.sender_bytes.values())
+
+    bucket = setup["bucket_bytes"]
+
+    def units(nbytes: float) -> list[float]:
+        """A gather-free rank's `nbytes` as it sends them: transfer buffers per shard of the
+        engines' (it writes every one), each written to that shard's rank of every engine."""
+        shards = topology["tp"]
+        return [c / shards for c in chunks_of(round(nbytes / shards), bucket)] * shards
+
     # CPU-seconds of one socket byte, both ends: the loopback rates were measured with one
     # sending and one receiving thread, on min(2, cores) cores
     socket_cost = {"mooncake": min(2, cores) / rate("raw_transport"), "gloo": min(2, cores) / rate("raw_gloo")}
+    mooncake_cpu = sum(p2p.sender_bytes.values()) * socket_cost["mooncake"]
     gather_cores = min(setup["trainers"], cores)
     # CPU-seconds of Mooncake's write threads spinning: one thread per trainer rank and engine it
     # writes to, whose batches are on the wire for as long as its rank's NIC takes for its bytes
@@ -139,28 +158,40 @@ def predict_run(
         phases = way["phases"]["trainer-0"]
         control = phases.get("pause", 0.0) + phases.get("finish", 0.0)
         gathers, production = way["gathers_alone_seconds"], phases.get("produce", 0.0)
-        waited = shared_nic_seconds(topology, way, link * 1e9)
-        if name == "p2p":
-            parts = {"gathers_s": gathers + waited, "production_s": production, "wire_s": p2p.p2p_s}
-            pipeline = pipeline_seconds(list(parts.values()), buckets)
-            cpu = sum(p2p.sender_bytes.values()) * socket_cost["mooncake"] + (1 - SLEEP_SHARE) * spin[name]
+        # the gathers' CPU-seconds as measured alone (runs before 2026-12-05 did not measure
+        # them: every trainer rank's core taken as busy throughout)
+        gathers_cpu = way.get("gathers_alone_cpu_seconds")
+        gathers_cpu = gathers * gather_cores if gathers_cpu is None else gathers_cpu
+        gather = Step(GATHERS, gathers + shared_nic_seconds(topology, way, link * 1e9), gathers_cpu)
+        produce = Step(MAIN, production, production)
+        if name == "p2p":  # gathers run ahead of production on a thread of their own
+            wire = Step(WIRE, p2p.p2p_s, mooncake_cpu + (1 - SLEEP_SHARE) * spin[name])
+            parts = [(buckets, [gather, produce, wire])]
         elif name == "gather-free":
             free, gathered = way["gather_free_bytes"], way["gathered_bytes"]
-            share = gathered / (free + gathered) if gathered else 0.0
-            parts = {"gathers_s": gathers} if gathered else {}
-            parts |= {"production_s": production, "wire_s": share * p2p.p2p_s + (1 - share) * p2p.floor_s}
-            pipeline = pipeline_seconds(list(parts.values()), buffers)
-            cpu = sum(p2p.sender_bytes.values()) * socket_cost["mooncake"] + (1 - SLEEP_SHARE) * spin[name]
-        elif name in wires:
-            parts = {"gathers_s": gathers + waited, "production_s": production, "wire_s": wires[name]}
-            pipeline = pipeline_seconds(list(parts.values()), buckets)
-            cpu = model_bytes * engine_ranks * socket_cost["gloo"]  # every engine rank receives it once
+            share = gathered / (free + gathered)
+            own = [produce.scaled(1 - share),
+                   Step(WIRE, p2p.floor_s, mooncake_cpu + (1 - SLEEP_SHARE) * spin[name]).scaled(1 - share)]
+            parts = [(units((1 - share) * max_sent), own)]
+            if gathered:  # then the gathered groups (fp8: the quantized ones), on p2p's plan
+                wire = Step(WIRE, p2p.p2p_s, mooncake_cpu + (1 - SLEEP_SHARE) * spin["p2p"])
+                parts.append((chunks_of(round(share * model_bytes), bucket), [
+                    gather, produce.scaled(share), wire.scaled(share)]))
+        elif name in wires:  # one thread gathers a bucket, packs it, starts its broadcast
+            wire = Step(WIRE, wires[name], model_bytes * engine_ranks * socket_cost["gloo"])
+            parts = [(buckets, [dataclasses.replace(gather, resource=MAIN), produce, wire])]
         else:
             continue
-        parts["pipeline_s"] = pipeline
-        parts["cores_s"] = (gathers * gather_cores + cpu + production) / cores
-        predicted = control + max(pipeline, parts["cores_s"])
+        jobs = [[step.scaled(chunk) for step in steps] for chunks, steps in parts for chunk in chunks]
+        shared = shared_seconds(jobs, cores)
+        predicted = control + shared
         error = predicted / way["seconds"] - 1
-        out["ways"][name] = {**parts, "control_s": control, "predicted_s": predicted, "measured_s": way["seconds"],
-                             "error": error, "within_tolerance": abs(error) <= TOLERANCE}
+        out["ways"][name] = {
+            "gathers_s": gather.seconds if name != "gather-free" or way["gathered_bytes"] else 0.0,
+            "production_s": production,
+            "wire_s": sum(s.seconds for _, steps in parts for s in steps if s.resource == WIRE),
+            "cpu_seconds": sum(s.cpu_seconds for job in jobs for s in job), "shared_s": shared,
+            "control_s": control, "predicted_s": predicted, "measured_s": way["seconds"],
+            "error": error, "within_tolerance": abs(error) <= TOLERANCE,
+        }
     return out
