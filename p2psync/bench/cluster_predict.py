@@ -143,7 +143,6 @@ def predict_run(
     # sending and one receiving thread, on min(2, cores) cores
     socket_cost = {"mooncake": min(2, cores) / rate("raw_transport"), "gloo": min(2, cores) / rate("raw_gloo")}
     mooncake_cpu = sum(p2p.sender_bytes.values()) * socket_cost["mooncake"]
-    gather_cores = min(setup["trainers"], cores)
     # CPU-seconds of Mooncake's write threads spinning: one thread per trainer rank and engine it
     # writes to, whose batches are on the wire for as long as its rank's NIC takes for its bytes
     nic_seconds = {sender: nbytes / (link * 1e9) for sender, nbytes in p2p.sender_bytes.items()}
@@ -158,11 +157,8 @@ def predict_run(
         phases = way["phases"]["trainer-0"]
         control = phases.get("pause", 0.0) + phases.get("finish", 0.0)
         gathers, production = way["gathers_alone_seconds"], phases.get("produce", 0.0)
-        # the gathers' CPU-seconds as measured alone (runs before 2026-12-05 did not measure
-        # them: every trainer rank's core taken as busy throughout)
-        gathers_cpu = way.get("gathers_alone_cpu_seconds")
-        gathers_cpu = gathers * gather_cores if gathers_cpu is None else gathers_cpu
-        gather = Step(GATHERS, gathers + shared_nic_seconds(topology, way, link * 1e9), gathers_cpu)
+        waited = shared_nic_seconds(topology, way, link * 1e9)
+        gather = Step(GATHERS, gathers + waited, way["gathers_alone_cpu_seconds"])  # CPU-s as measured alone
         produce = Step(MAIN, production, production)
         if name == "p2p":  # gathers run ahead of production on a thread of their own
             wire = Step(WIRE, p2p.p2p_s, mooncake_cpu + (1 - SLEEP_SHARE) * spin[name])

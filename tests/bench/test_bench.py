@@ -38,12 +38,14 @@ def _check_common(result: dict[str, Any], ways: set[str]) -> None:
         assert gathers and before_finish <= way["seconds"] * 1.05 + 0.01, (name, phases)
         assert way["bound_seconds"] == max(way["gathers_alone_seconds"], way["wire_seconds_at_raw"]), name
         assert way["over_bound"] == pytest.approx(way["seconds"] / way["bound_seconds"]), name
-        # the machine's cores spent something in the update, and at most all of their time over
-        # the seconds they were counted (the update's, and the barrier before it); each core's
-        # count is whole clock ticks
+        # the machine's cores spent something in an update long enough for a busy core to count
+        # clock ticks (tiny models' take under one), and at most all of their time over the
+        # seconds they were counted (the update's, and the barrier before it); each core's
+        # count is whole ticks
         cores, tick = result["machine"]["cores"], 0.01 * result["machine"]["cores"]
         window = way["cpu_window_seconds"]
-        assert window >= way["seconds"] and 0 < way["cpu_seconds"] <= window * cores + tick, name
+        assert window >= way["seconds"] and 0 <= way["cpu_seconds"] <= window * cores + tick, name
+        assert way["cpu_seconds"] > 0 or window < 0.05, name
         assert way["cores_busy"] == pytest.approx(way["cpu_seconds"] / (window * cores)), name
     broadcasts = {w for w in ways if w.startswith("broadcast")}
     assert set(result["ratios"]) == {f"{w}/p2p" for w in ways - {"p2p"}} | {f"{w}/gather-free" for w in broadcasts}

@@ -125,6 +125,27 @@ def test_the_planner_predicts_the_bytes_on_every_kept_runs_busiest_nic(path):
         assert predicted <= measured <= predicted * 1.02, (way, predicted, measured)
 
 
+#: Every kept run of the cluster bench.
+EVERY_KEPT = sorted((Path(__file__).parents[2] / "benchmarks" / "results" / "cluster").glob("*-cluster-*.json"))
+
+
+@pytest.mark.parametrize("path", EVERY_KEPT, ids=[p.stem for p in EVERY_KEPT])
+def test_the_planner_predicts_every_way_of_every_kept_run_within_its_tolerance(path):
+    """Issue #27's figure for the model: from the rates a kept run measured (link, gathers
+    alone, production, control calls), each way's predicted seconds are within 20% of the
+    median the run measured, in every topology, bf16 and fp8. The measured medians are the
+    oracle; the planner never reads them."""
+    from p2psync.bench.cluster_predict import TOLERANCE, predict_run
+
+    result = json.loads(path.read_text())
+    predicted = predict_run(result["setup"], result["ways"], [result["limits"], result["limits_after"]],
+                            result["machine"]["cores"])["ways"]
+    assert set(predicted) == set(result["ways"]), path
+    for way, p in predicted.items():
+        assert p["measured_s"] == result["ways"][way]["seconds"]
+        assert abs(p["predicted_s"] / p["measured_s"] - 1) <= TOLERANCE, (way, p)
+
+
 def test_gathers_wait_behind_the_sends_on_a_trainer_nic_both_use():
     """Topology c at 1e8 bytes/s: trainer rank 0's NIC carried 300 MB of the way's sends and
     100 MB beyond them (its gathers' share); the gathers alone took 6 s, 3 of which the sends
