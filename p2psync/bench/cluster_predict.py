@@ -39,7 +39,6 @@ those go at the gather-free floor, the gathered share of the bytes at p2p's plan
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -129,9 +128,7 @@ def predict_run(
     engine_ranks = topology["engines"] * topology["tp"]
     model_bytes = max(p2p.stage_full_bytes)
     buckets = chunks_of(model_bytes, setup["bucket_bytes"])
-    max_sent = max(p2p.sender_bytes.values())
-
-    bucket = setup["bucket_bytes"]
+    max_sent, bucket = max(p2p.sender_bytes.values()), setup["bucket_bytes"]
 
     def units(nbytes: float) -> list[float]:
         """A gather-free rank's `nbytes` as it sends them: transfer buffers per shard of the
@@ -160,12 +157,14 @@ def predict_run(
         waited = shared_nic_seconds(topology, way, link * 1e9)
         gather = Step(GATHERS, gathers + waited, way["gathers_alone_cpu_seconds"])  # CPU-s as measured alone
         produce = Step(MAIN, production, production)
+        gathers_s = gather.seconds
         if name == "p2p":  # gathers run ahead of production on a thread of their own
             wire = Step(WIRE, p2p.p2p_s, mooncake_cpu + (1 - SLEEP_SHARE) * spin[name])
             parts = [(buckets, [gather, produce, wire])]
         elif name == "gather-free":
             free, gathered = way["gather_free_bytes"], way["gathered_bytes"]
             share = gathered / (free + gathered)
+            gathers_s = gather.seconds if gathered else 0.0
             own = [produce.scaled(1 - share),
                    Step(WIRE, p2p.floor_s, mooncake_cpu + (1 - SLEEP_SHARE) * spin[name]).scaled(1 - share)]
             parts = [(units((1 - share) * max_sent), own)]
@@ -175,7 +174,7 @@ def predict_run(
                     gather, produce.scaled(share), wire.scaled(share)]))
         elif name in wires:  # one thread gathers a bucket, packs it, starts its broadcast
             wire = Step(WIRE, wires[name], model_bytes * engine_ranks * socket_cost["gloo"])
-            parts = [(buckets, [dataclasses.replace(gather, resource=MAIN), produce, wire])]
+            parts = [(buckets, [Step(MAIN, gather.seconds, gather.cpu_seconds), produce, wire])]
         else:
             continue
         jobs = [[step.scaled(chunk) for step in steps] for chunks, steps in parts for chunk in chunks]
@@ -183,8 +182,7 @@ def predict_run(
         predicted = control + shared
         error = predicted / way["seconds"] - 1
         out["ways"][name] = {
-            "gathers_s": gather.seconds if name != "gather-free" or way["gathered_bytes"] else 0.0,
-            "production_s": production,
+            "gathers_s": gathers_s, "production_s": production,
             "wire_s": sum(s.seconds for _, steps in parts for s in steps if s.resource == WIRE),
             "cpu_seconds": sum(s.cpu_seconds for job in jobs for s in job), "shared_s": shared,
             "control_s": control, "predicted_s": predicted, "measured_s": way["seconds"],

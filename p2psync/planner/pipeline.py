@@ -56,43 +56,41 @@ def shared_seconds(jobs: Sequence[Sequence[Step]], cores: float) -> float:
     With cores to spare this is `pipeline_seconds`; with none, the CPU-seconds over the cores
     plus the pipeline's fill and drain, where fewer stages run. Measured in the cluster in a
     box, where two cores serve every node: a way whose stages each fit but whose CPU-seconds
-    nearly fill the cores took up to 1.3x the larger of the two accounts."""
+    nearly fill the cores took up to 1.35x the larger of the two accounts."""
     queue: dict[str, list[int]] = {}
     for j, job in enumerate(jobs):
         for step in job:
             queue.setdefault(step.resource, []).append(j)
     at = [0] * len(jobs)  # each job's current step
     left = [1.0] * len(jobs)  # the share of that step still to run
-    entered = 0  # jobs that finished their first step
     now = 0.0
+
+    def finish(j: int) -> None:
+        queue[jobs[j][at[j]].resource].pop(0)
+        at[j] += 1
+        left[j] = 1.0
+
     while True:
+        entered = next((j for j, step in enumerate(at) if step == 0), len(jobs))  # the next to enter
         running = [
             j for j, job in enumerate(jobs)
-            if at[j] < len(job) and queue[job[at[j]].resource][0] == j and (at[j] > 0 or j <= entered)
+            if at[j] < len(job) and queue[job[at[j]].resource][0] == j and (at[j] > 0 or j == entered)
         ]
         if not running:
             return now
         steps = {j: jobs[j][at[j]] for j in running}
-        for j in [j for j, s in steps.items() if s.seconds <= 0]:  # nothing to wait for
-            _advance(j, jobs, at, left, queue)
-            entered += at[j] == 1 and j == entered
-        if any(s.seconds <= 0 for s in steps.values()):
+        instant = [j for j, step in steps.items() if step.seconds <= 0]
+        for j in instant:  # nothing to wait for
+            finish(j)
+        if instant:
             continue
-        speed = _fair_speeds({j: s.cpu_seconds / s.seconds for j, s in steps.items()}, cores)
+        speed = _fair_speeds({j: step.cpu_seconds / step.seconds for j, step in steps.items()}, cores)
         dt = min(left[j] * steps[j].seconds / speed[j] for j in running)
         now += dt
         for j in running:
             left[j] -= dt * speed[j] / steps[j].seconds
             if left[j] <= 1e-9:
-                _advance(j, jobs, at, left, queue)
-                entered += at[j] == 1 and j == entered
-
-
-def _advance(j: int, jobs: Sequence[Sequence[Step]], at: list[int], left: list[float], queue: dict[str, list[int]]) -> None:
-    """Job `j` finished its current step: it leaves that stage's queue for its next step."""
-    queue[jobs[j][at[j]].resource].pop(0)
-    at[j] += 1
-    left[j] = 1.0
+                finish(j)
 
 
 def _fair_speeds(wants: dict[int, float], cores: float) -> dict[int, float]:
