@@ -127,8 +127,8 @@ def predict_run(
     wires = {name: predict(cluster, shapes, model).broadcast_s for name, model in BROADCAST_MODELS.items()}
     engine_ranks = topology["engines"] * topology["tp"]
     model_bytes = max(p2p.stage_full_bytes)
-    buckets = chunks_of(model_bytes, setup["bucket_bytes"])
     max_sent, bucket = max(p2p.sender_bytes.values()), setup["bucket_bytes"]
+    buckets = chunks_of(model_bytes, bucket)
 
     def units(nbytes: float) -> list[float]:
         """A gather-free rank's `nbytes` as it sends them: transfer buffers per shard of the
@@ -139,13 +139,18 @@ def predict_run(
     # CPU-seconds of one socket byte, both ends: the loopback rates were measured with one
     # sending and one receiving thread, on min(2, cores) cores
     socket_cost = {"mooncake": min(2, cores) / rate("raw_transport"), "gloo": min(2, cores) / rate("raw_gloo")}
-    mooncake_cpu = sum(p2p.sender_bytes.values()) * socket_cost["mooncake"]
     # CPU-seconds of Mooncake's write threads spinning: one thread per trainer rank and engine it
     # writes to, whose batches are on the wire for as long as its rank's NIC takes for its bytes
     nic_seconds = {sender: nbytes / (link * 1e9) for sender, nbytes in p2p.sender_bytes.items()}
     spin = {
         "p2p": sum(nic_seconds[s] for s, _ in {(s, t.engine_id) for plan in p2p.plans for t, s in plan.assignment.items()}),
         "gather-free": topology["engines"] * sum(nic_seconds.values()),  # every rank feeds every engine
+    }
+    # CPU-seconds of the Mooncake wire as each way writes (p2p's plan; gather-free, every rank to
+    # every engine): every socket byte on both ends, and the write threads' unslept wait
+    mooncake_cpu = {
+        plan: sum(p2p.sender_bytes.values()) * socket_cost["mooncake"] + (1 - SLEEP_SHARE) * spun
+        for plan, spun in spin.items()
     }
     out: dict[str, Any] = {
         "link_gbps": link, "latency_us": cluster.latency_us, "cores": cores, "model": MODEL, "ways": {},
@@ -159,17 +164,17 @@ def predict_run(
         produce = Step(MAIN, production, production)
         gathers_s = gather.seconds
         if name == "p2p":  # gathers run ahead of production on a thread of their own
-            wire = Step(WIRE, p2p.p2p_s, mooncake_cpu + (1 - SLEEP_SHARE) * spin[name])
+            wire = Step(WIRE, p2p.p2p_s, mooncake_cpu[name])
             parts = [(buckets, [gather, produce, wire])]
         elif name == "gather-free":
             free, gathered = way["gather_free_bytes"], way["gathered_bytes"]
             share = gathered / (free + gathered)
             gathers_s = gather.seconds if gathered else 0.0
             own = [produce.scaled(1 - share),
-                   Step(WIRE, p2p.floor_s, mooncake_cpu + (1 - SLEEP_SHARE) * spin[name]).scaled(1 - share)]
+                   Step(WIRE, p2p.floor_s, mooncake_cpu[name]).scaled(1 - share)]
             parts = [(units((1 - share) * max_sent), own)]
             if gathered:  # then the gathered groups (fp8: the quantized ones), on p2p's plan
-                wire = Step(WIRE, p2p.p2p_s, mooncake_cpu + (1 - SLEEP_SHARE) * spin["p2p"])
+                wire = Step(WIRE, p2p.p2p_s, mooncake_cpu["p2p"])
                 parts.append((chunks_of(round(share * model_bytes), bucket), [
                     gather, produce.scaled(share), wire.scaled(share)]))
         elif name in wires:  # one thread gathers a bucket, packs it, starts its broadcast

@@ -16,6 +16,8 @@ from p2psync.cli import main
 from p2psync.worlds.netbox import Link
 from tests.helpers.box import run_in_box
 
+#: The kept results of the cluster bench.
+RESULTS = Path(__file__).parents[2] / "benchmarks" / "results" / "cluster"
 #: A bench of tiny torch engines in topology `argv[1]`; prints the result as JSON.
 BENCH = """
 import json, sys
@@ -91,7 +93,7 @@ def test_bench_in_a_box_measures_what_each_nic_carried(tmp_path):
 #: The kept runs of topologies a and b: their trainer ranks share one node, so nothing but the
 #: update crosses a link (in c the trainer ranks' gathers cross it too).
 KEPT = sorted(p for topology in ("a", "b")
-              for p in (Path(__file__).parents[2] / "benchmarks" / "results" / "cluster").glob(f"*-cluster-{topology}-*.json"))
+              for p in RESULTS.glob(f"*-cluster-{topology}-*.json"))
 
 
 @pytest.mark.parametrize("path", KEPT, ids=[p.stem for p in KEPT])
@@ -126,7 +128,7 @@ def test_the_planner_predicts_the_bytes_on_every_kept_runs_busiest_nic(path):
 
 
 #: Every kept run of the cluster bench.
-EVERY_KEPT = sorted((Path(__file__).parents[2] / "benchmarks" / "results" / "cluster").glob("*-cluster-*.json"))
+EVERY_KEPT = sorted(RESULTS.glob("*-cluster-*.json"))
 
 
 @pytest.mark.parametrize("path", EVERY_KEPT, ids=[p.stem for p in EVERY_KEPT])
