@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         ConcurrentCallError,
         ConnectError,
         ControlError,
+        EngineUnreachable,
         OptionsError,
         P2PSyncError,
         PluginError,
@@ -56,7 +57,7 @@ _EXPORTS = {
     **dict.fromkeys(
         [
             "P2PSyncError", "PluginError", "OptionsError", "ConnectError", "RendezvousError", "TransferError",
-            "TransferTimeout", "ControlError", "UpdateError", "TrainerLost", "TrainerRankFailed",
+            "TransferTimeout", "ControlError", "EngineUnreachable", "UpdateError", "TrainerLost", "TrainerRankFailed",
             "ConcurrentCallError", "VersionError",
             "where",
         ],

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from .errors import ControlError
+from .errors import ControlError, EngineUnreachable
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,9 @@ def post(url: str, route: str, body: Mapping[str, Any] | None = None, *, token: 
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")
         raise ControlError(f"{route} at {url} answered {exc.code}: {detail}") from exc
-    except (OSError, ValueError, http.client.HTTPException) as exc:  # HTTPException: the engine died mid-answer
+    except (OSError, http.client.HTTPException) as exc:  # HTTPException: the engine died mid-answer
+        raise EngineUnreachable(f"{route} at {url} got no answer: {exc}") from exc
+    except ValueError as exc:
         raise ControlError(f"{route} at {url} failed: {exc}") from exc
 
 
@@ -111,9 +113,10 @@ def http_json(url: str, path: str, body: dict[str, Any] | None = None, *, timeou
     try:
         with urllib.request.urlopen(request, timeout=timeout) as answer:
             text = answer.read().decode()
-    except (urllib.error.URLError, OSError) as exc:
-        detail = exc.read().decode()[:300] if isinstance(exc, urllib.error.HTTPError) else str(exc)
-        raise ControlError(f"{path} at {url} failed: {detail}") from exc
+    except urllib.error.HTTPError as exc:
+        raise ControlError(f"{path} at {url} failed: {exc.read().decode()[:300]}") from exc
+    except (OSError, http.client.HTTPException) as exc:
+        raise EngineUnreachable(f"{path} at {url} got no answer: {exc}") from exc
     try:
         return json.loads(text)
     except ValueError:

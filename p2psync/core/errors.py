@@ -38,6 +38,12 @@ class ControlError(P2PSyncError):
     """An engine control call (pause, resume, digest, ...) failed."""
 
 
+class EngineUnreachable(ControlError):
+    """An engine control call got no answer (refused, reset, timed out): the engine is gone,
+    stopped or cut off, unlike one that answered with a refusal. A call that got no answer
+    may still land later."""
+
+
 class UpdateError(P2PSyncError):
     """`update` failed on the trainer side (a gather, a collective, the caller's own code).
 

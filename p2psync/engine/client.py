@@ -10,7 +10,7 @@ from typing import Any
 from ..core.control import post
 from ..core.delta import PatchRecord
 from ..core.engine import EngineControl
-from ..core.errors import ControlError, where
+from ..core.errors import ControlError, EngineUnreachable, where
 from ..core.pause import PauseMode
 from ..core.types import Region, TargetTable
 
@@ -30,13 +30,13 @@ class EndpointControl(EngineControl):
         try:
             return post(table.control_url, route, body, token=self.token, timeout=self.timeout)
         except ControlError as exc:
-            raise ControlError(f"{where(table.engine_id, table.rank)}: {exc}") from exc
+            raise type(exc)(f"{where(table.engine_id, table.rank)}: {exc}") from exc
 
     def check_access(self) -> None:
         for table in self.tables:
             answer = self._call(table, "info")
-            if answer.get("instance") != table.instance:
-                raise ControlError(
+            if answer.get("instance") != table.instance:  # the publisher is gone: another process holds its port
+                raise EngineUnreachable(
                     f"{where(table.engine_id, table.rank)}: {table.control_url} answers as {answer.get('instance')!r}, "
                     f"not as {table.instance!r}, which published the table"
                 )
@@ -68,8 +68,15 @@ class EndpointControl(EngineControl):
             self._call(table, "finish", {"version": version})
 
     def fail(self, version: str, reason: str) -> None:
+        """Every rank is told, even after one could not be (the others may serve `version`)."""
+        errors = []
         for table in self.tables:
-            self._call(table, "fail", {"version": version, "reason": reason})
+            try:
+                self._call(table, "fail", {"version": version, "reason": reason})
+            except ControlError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def digests(self, rank: int, regions: Mapping[str, Sequence[Region]]) -> dict[str, str]:
         spans = {name: [[r.param_offset, r.nbytes] for r in rs] for name, rs in regions.items()}

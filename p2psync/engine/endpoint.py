@@ -337,8 +337,10 @@ class EngineEndpoint:
 
     def _fail(self, body: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
-            stale = self.state.fail(str(body["version"]), str(body["reason"]))
+            stale, was_serving = self.state.fail(str(body["version"]), str(body["reason"]))
             self._changed.notify_all()
+            if was_serving:  # its finish landed, but the trainer never heard: undone
+                self._stop_serving("abort", drain_seconds=0.0)
         log.error("%s: %s; not serving until an update finishes", self.where, stale)
         self.hooks.on_stale(stale)
         return {}

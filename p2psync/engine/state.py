@@ -4,8 +4,10 @@ An engine serves only weights of a known version: from the start, only if its us
 declared the version it loaded; otherwise from its first update on. An update holds
 a lease: paused for version X, the engine expects the trainer to finish (or renew)
 within the lease; if it does not, the update is abandoned, the engine marks itself
-stale and stays out of serving until a later update finishes. A successor that
-replaces the engine (a higher incarnation) retires it for good.
+stale and stays out of serving until a later update finishes. An update the trainer
+gave up on (`fail`) is final: its finish is refused should it still come, and undone if it
+came already (a finish whose answer the trainer never got), so that the trainer's report is
+the truth. A successor that replaces the engine (a higher incarnation) retires it for good.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class EngineState:
     lease: float = 0.0
     #: Why the engine does not serve its weights (abandoned update, replaced), if it is stale.
     stale: str | None = None
+    #: The version of the update the trainer gave up on, until the next pause.
+    given_up: str | None = None
     retired: bool = False
 
     @property
@@ -46,7 +50,7 @@ class EngineState:
         """Pause for an update to `version`; True if the engine was serving until now."""
         self._refuse_if_retired()
         was_serving = self.serving
-        self.updating, self.lease, self.lease_until = version, lease, now + lease
+        self.updating, self.lease, self.lease_until, self.given_up = version, lease, now + lease, None
         return was_serving
 
     def renew(self, version: str, now: float) -> None:
@@ -55,14 +59,18 @@ class EngineState:
         self.lease_until = now + self.lease
 
     def check_update(self, version: str, call: str) -> None:
-        """Refuse a `call` (finish, patch) that is not part of the update in progress."""
+        """Refuse a `call` (finish, patch) that is not part of the update in progress, or is
+        part of one the trainer gave up on."""
         self._refuse_if_retired()
         if self.updating != version:
             raise Refused(f"{call} of version {version!r}, but {self._in_progress()}")
+        if self.given_up == version:
+            raise Refused(f"{call} of version {version!r}, which the trainer gave up on: {self.stale}")
 
     def complete(self, version: str) -> None:
         """Every write of the update to `version` landed: hold it and serve again. Also
-        after the lease ran out: the bytes are whole, the update only came late."""
+        after the lease ran out (the bytes are whole, the update only came late), unless the
+        trainer gave it up."""
         self.check_update(version, "finish")
         self.version, self.updating, self.lease_until, self.stale = version, None, None, None
 
@@ -77,13 +85,20 @@ class EngineState:
         self.lease_until = None
         return self.stale
 
-    def fail(self, version: str, reason: str) -> str:
+    def fail(self, version: str, reason: str) -> tuple[str, bool]:
         """The trainer gave up on the update to `version` (`reason`: a failed check, failed
-        writes): stale at once, not serving until a later update finishes; the stale mark."""
-        self.check_update(version, "fail")
-        self.stale = f"update {version!r} given up by the trainer (was serving {self.version!r}): {reason}"
-        self.lease_until = None
-        return self.stale
+        writes, a finish that got no answer): stale at once, not serving until a later update
+        finishes, also where that update finished here already. The stale mark, and whether
+        the engine was serving until now."""
+        self._refuse_if_retired()
+        finished = self.updating is None and self.version == version
+        if self.updating != version and not finished:
+            raise Refused(f"fail of version {version!r}, but {self._in_progress()}")
+        was_serving = self.serving
+        held = "after it finished here" if finished else f"(was serving {self.version!r})"
+        self.stale = f"update {version!r} given up by the trainer {held}: {reason}"
+        self.given_up, self.lease_until = version, None
+        return self.stale, was_serving
 
     def retire(self, reason: str) -> bool:
         """Replaced for good by a successor; True if the engine was serving until now."""

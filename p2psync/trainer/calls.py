@@ -20,7 +20,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 from ..core.delta import PatchRecord
 from ..core.engine import EngineControl
-from ..core.errors import ConnectError, ControlError, where
+from ..core.errors import ConnectError, ControlError, EngineUnreachable, where
 from ..core.pause import PauseMode, choose
 from ..core.types import Region, TargetTable
 from .delta_send import Held
@@ -117,9 +117,20 @@ class UpdateCalls:
         return lost
 
     def finish(self, engine: str) -> str | None:
-        """Post-process and resume `engine`; why that failed, or None."""
+        """Post-process and resume `engine`; why that failed, or None. A finish that got no
+        answer may still land (an engine stopped or cut off for a while): the engine is told to
+        give the update up, which undoes a finish that landed and refuses one still on its way,
+        so that the report (stale) is the truth either way."""
+        control = self.controls[engine]
         try:
-            self.controls[engine].finish(self.version)
+            control.finish(self.version)
+        except EngineUnreachable as exc:
+            why = f"finish got no answer: {exc}"
+            try:
+                control.fail(self.version, why)
+            except ControlError as told:
+                return f"{why}; told to give the update up, which it does once it hears ({told})"
+            return f"{why}; it gave the update up"
         except ControlError as exc:
             return f"finish failed: {exc}"
         return None

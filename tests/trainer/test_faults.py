@@ -1,5 +1,6 @@
 """Faults: a killed or stuck engine is reported by name, the others complete and
-resume, and nothing leaks across many updates."""
+resume, a report that calls an engine stale is the truth, and nothing leaks across many
+updates."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is not installed")
 
 import torch  # noqa: E402
-from tests.helpers.engines import small_model  # noqa: E402
+from tests.helpers.engines import small_model, wait_for  # noqa: E402
 
 from p2psync.adapters.fsdp2 import FSDP2Source  # noqa: E402
 from p2psync.conformance.faults import corrupting  # noqa: E402
@@ -21,6 +22,7 @@ from p2psync.core.control import post  # noqa: E402
 from p2psync.core.errors import TransferError, TransferTimeout  # noqa: E402
 from p2psync.trainer.session import Session  # noqa: E402
 from p2psync.core.types import TargetId  # noqa: E402
+from p2psync.engine.client import EndpointControl  # noqa: E402
 from p2psync.transports.mooncake.transport import MooncakePeer, MooncakeTransport  # noqa: E402
 
 TIMEOUT = 3.0
@@ -148,6 +150,32 @@ def test_a_rank_corrupted_after_its_writes_is_stale_by_name_and_stays_paused(eng
         perturb(model, 2)
         assert session.update("v3").ok  # the next update repairs it
         assert serving(session, "b") == ("v3", True)
+
+
+def test_a_finish_that_got_no_answer_leaves_no_engine_serving_what_the_report_calls_stale(engine_group, monkeypatch):
+    """Engine b stops (SIGSTOP) once its writes landed, as its finish is called, and goes on
+    after the report: the finish it receives late must not have it serve v1 while the report
+    calls it stale (#46: 8 of 156 updates under random stops did)."""
+    engine_group.start("a")
+    engine_group.start("b")
+    finish = EndpointControl.finish
+
+    def stop_b_first(self: EndpointControl, version: str) -> None:
+        if self.tables[0].engine_id == "b":
+            engine_group.freeze("b")
+        finish(self, version)
+
+    monkeypatch.setattr(EndpointControl, "finish", stop_b_first)
+    with session_for(engine_group, small_model(0)) as session:
+        session.connect(["a", "b"])
+        report = session.update("v1")
+        engine_group.thaw("b")
+        assert report.stale == ["b"], report.format()
+        assert serving(session, "a") == ("v1", True)
+        stale = wait_for(lambda: info(session, "b")["stale"], 2 * TIMEOUT, "b giving the update up")
+        assert stale.startswith("update 'v1' given up by the trainer"), stale
+        assert serving(session, "b")[1] is False
+        assert report.engines["b"].error.startswith("finish got no answer: engine 'b' rank 0: finish at ")
 
 
 def rss_bytes() -> int:

@@ -141,13 +141,13 @@ class ServerControl(EngineControl):
         try:
             return http_json(self.url, path, body, timeout=self.timeout)
         except ControlError as exc:
-            raise ControlError(f"{where(self.engine_id)}: {exc}") from exc
+            raise type(exc)(f"{where(self.engine_id)}: {exc}") from exc
 
     def check_access(self) -> None:
         try:
             http_json(self.url, ALIVE, timeout=self.timeout)
         except ControlError as exc:
-            raise ControlError(f"{where(self.engine_id)}: {exc}") from exc
+            raise type(exc)(f"{where(self.engine_id)}: {exc}") from exc
 
     def pause_modes(self) -> tuple[PauseMode, ...]:
         return self.MODES

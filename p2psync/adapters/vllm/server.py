@@ -38,7 +38,7 @@ class VllmServedControl(EndpointControl):
         try:
             return http_json(self.server_url, path, body, timeout=self.timeout)
         except ControlError as exc:
-            raise ControlError(f"{where(self.tables[0].engine_id)}: the vLLM server: {exc}") from exc
+            raise type(exc)(f"{where(self.tables[0].engine_id)}: the vLLM server: {exc}") from exc
 
     def check_access(self) -> None:
         super().check_access()
