@@ -64,6 +64,13 @@ class EngineControl(ABC):
         `check=True` refuses it at connect, before anything is written."""
         return None
 
+    def label_refusal(self, version: str, *, rollback: bool) -> str | None:
+        """Why this engine refuses `version` as the label of the next update's weights (a
+        label it served before names those weights, and the update is no rollback to them),
+        or None. Asked before anything is paused (raises ControlError where it cannot be
+        reached); engines that keep no labels take any."""
+        return None
+
     def held(self) -> dict[int, tuple[str | None, str | None]]:
         """Per rank, the version it holds and why its weights may no longer be what that
         version's update left (written outside p2psync: a load route, a hook that rewrote

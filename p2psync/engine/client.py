@@ -78,6 +78,11 @@ class EndpointControl(EngineControl):
         if errors:
             raise errors[0]
 
+    def label_refusal(self, version: str, *, rollback: bool) -> str | None:
+        body = {"version": version, "rollback": rollback}
+        refusals = [self._call(table, "label", body)["refused"] for table in self.tables]
+        return next((refusal for refusal in refusals if refusal), None)
+
     def digests(self, rank: int, regions: Mapping[str, Sequence[Region]]) -> dict[str, str]:
         spans = {name: [[r.param_offset, r.nbytes] for r in rs] for name, rs in regions.items()}
         return self._call(self.tables[rank], "digest", {"regions": spans})["digests"]

@@ -5,7 +5,8 @@ the rank's parameter memory (and a patch area for delta updates) with the transp
 claims the engine id and publishes the target table, and serves the control calls
 `pause` (fencing off the writes of an update that never finished first: they may still be
 on their way), `renew`, `patch` (apply a delta patch, see `patch.PatchArea`), `finish`,
-`digest`, `info` (its status) and `retire`. Adapters whose engine has no control API of its own
+`digest`, `info` (its status), `label` (whether it takes a version label: see
+`fingerprints.HeldWeights`) and `retire`. Adapters whose engine has no control API of its own
 (a plain torch module, a worker without a server) use it as is; the callables say
 what pausing and resuming mean for that engine. Whether the engine may serve, and
 the lease of an update in progress, live in its `EngineState`.
@@ -118,7 +119,7 @@ class EngineEndpoint:
         self._flush_at_finish = True  # as the update in progress asked at its pause
         self._watch: threading.Thread | None = None
         self._server: ControlServer | None = None
-        self.held = HeldWeights(self.params)
+        self.held = HeldWeights(self.params, version)
         self._at_exit = CloseAtExit(self)
 
     @classmethod
@@ -166,7 +167,7 @@ class EngineEndpoint:
         routes = {
             "pause": self._pause, "renew": self._renew, "patch": self._patch, "finish": self._finish,
             "digest": self._digest, "info": self._info, "retire": self._retire, "held": self._held,
-            "fail": self._fail,
+            "fail": self._fail, "label": self._label,
         }
         routes.update({name: self._serving_only(handler) for name, handler in self.hooks.routes.items()})
         self._server = ControlServer(routes, host=self.host, token=self.token)
@@ -326,6 +327,9 @@ class EngineEndpoint:
         with self._lock:
             self.state.check_update(version, "finish")
             self.hooks.post_process()
+            mislabelled = self.held.mislabelled(version)
+            if mislabelled is not None:
+                raise Refused(f"{self.where}: {mislabelled}")
             if self._flush_at_finish:
                 self.hooks.flush_cache()
             self.state.complete(version)
@@ -344,6 +348,10 @@ class EngineEndpoint:
         log.error("%s: %s; not serving until an update finishes", self.where, stale)
         self.hooks.on_stale(stale)
         return {}
+
+    def _label(self, body: dict[str, Any]) -> dict[str, Any]:
+        refusal = self.held.label_refusal(str(body["version"]), rollback=bool(body["rollback"]))
+        return {"refused": refusal and f"{self.where}: {refusal}"}
 
     def _retire(self, body: dict[str, Any]) -> dict[str, Any]:
         reason = f"replaced by incarnation {int(body['incarnation'])} of {self.where}"

@@ -3,12 +3,16 @@
 A delta patch is computed against the trainer's baseline: the bytes the engine held when
 it acknowledged the last update. Anything that wrote the weights since (a user's
 `load_state_dict`, a post-load hook that rewrites, a stray write) would leave those
-parameters wrong through every later delta. So once a trainer asks (`altered`, at the
-start of each delta update), the rank fingerprints every parameter when an update
-finishes (on a thread, while it serves again: off the update's path) and compares at the
-next update's start, before anything is written; writes it sees itself (its load routes,
-the torch engine's `load_state_dict`) are named without hashing. A rank whose bytes
-changed is sent its full bytes in that same update.
+parameters wrong through every later delta. So the rank fingerprints every parameter when
+an update finishes (on a thread, while it serves again: off the update's path) and, when a
+trainer asks (`altered`, at the start of each delta update), compares before anything is
+written; writes it sees itself (its load routes, the torch engine's `load_state_dict`) are
+named without hashing. A rank whose bytes changed is sent its full bytes in that same update.
+
+The same fingerprints, hashed into one, remember which weights each version label named on
+this rank, across trainers: a label served before is refused for the next update unless it
+is a rollback (`label_refusal`), and a rollback is served only with the weights the label
+named (`mislabelled`), so that a label names one set of weights wherever requests see it.
 
 A parameter's fingerprint is the sums of its 16 KiB blocks read as 64-bit integers
 (modulo 2^64, as CPUs and GPUs add: any one changed word still changes its block's sum),
@@ -61,16 +65,25 @@ def fingerprints(params: Mapping[str, torch.Tensor]) -> dict[str, str]:
     return {name: fingerprint(t) for name, t in params.items()}
 
 
-class HeldWeights:
-    """What one rank's `params` held when its last update finished, and what wrote them since."""
+def weights_print(prints: Mapping[str, str]) -> str:
+    """One fingerprint of a rank's weights, from its parameters' `fingerprints`."""
+    text = "\n".join(f"{name}={print_}" for name, print_ in sorted(prints.items())).encode()
+    return digest(memoryview(text), [(0, len(text))])
 
-    def __init__(self, params: Mapping[str, torch.Tensor]) -> None:
+
+class HeldWeights:
+    """What one rank's `params` held when its last update finished, what wrote them since, and
+    which weights each version label it served named (`version`: the one it loaded, if known)."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor], version: str | None = None) -> None:
         self.params = params
-        self.asked = False  # a trainer proves deltas against this rank: fingerprint each update
         self._reference: dict[str, str] | None = None
         self._version: str | None = None
         self._written: str | None = None
         self._thread: threading.Thread | None = None
+        self._named: dict[str, str] = {}  # label -> `weights_print` of what it was served with
+        if version is not None:
+            self.finished(version)
 
     def written(self, what: str) -> None:
         """Something the engine sees wrote the weights outside p2psync (`what` says what)."""
@@ -82,9 +95,10 @@ class HeldWeights:
         self.settle()
         self._written = None
         self._reference, self._version = None, version
-        if self.asked:
-            self._thread = threading.Thread(target=self._fingerprint, name="p2psync-fingerprints", daemon=True)
-            self._thread.start()
+        self._thread = threading.Thread(
+            target=self._fingerprint, args=(version,), name="p2psync-fingerprints", daemon=True
+        )
+        self._thread.start()
 
     def settle(self) -> None:
         """Wait for the fingerprints of the last update (before anything may write)."""
@@ -93,9 +107,7 @@ class HeldWeights:
             self._thread = None
 
     def altered(self) -> str | None:
-        """Why this rank may not hold what the last update left, or None; from now on each
-        finished update is fingerprinted."""
-        self.asked = True
+        """Why this rank may not hold what the last update left, or None."""
         self.settle()
         if self._written is not None:
             return f"its weights were written outside p2psync ({self._written}) after update {self._version!r}"
@@ -108,5 +120,25 @@ class HeldWeights:
         return (f"{len(changed)} parameter(s) changed since update {self._version!r} other than by p2psync: "
                 f"{', '.join(changed)}")
 
-    def _fingerprint(self) -> None:
+    def label_refusal(self, version: str, *, rollback: bool) -> str | None:
+        """Why the next update may not be labelled `version` here, or None: a label served
+        before names its weights, unless the update is a rollback to them."""
+        self.settle()
+        if rollback or version not in self._named:
+            return None
+        return (f"it served version {version!r} before, and a label names one set of weights: give this "
+                "update a new label, or pass rollback=True to go back to the weights it named")
+
+    def mislabelled(self, version: str) -> str | None:
+        """Why the weights held now may not be served as `version`, or None: it named other
+        weights when this rank served it before."""
+        self.settle()
+        named = self._named.get(version)
+        if named is None or weights_print(fingerprints(self.params)) == named:
+            return None
+        return (f"version {version!r} named other weights when this rank served it before; a label names one "
+                "set of weights: give the update a new label")
+
+    def _fingerprint(self, version: str) -> None:
         self._reference = fingerprints(self.params)
+        self._named[version] = weights_print(self._reference)

@@ -50,6 +50,21 @@ def refuse_unchecked(controls: Mapping[str, EngineControl]) -> None:
         raise ConnectError("check=True: " + "; ".join(refused))
 
 
+def label_refusals(controls: Mapping[str, EngineControl], version: str, *, rollback: bool) -> list[str]:
+    """Before an update (world rank 0): why engines refuse `version` as its label (each names
+    itself). An engine that cannot be asked is left to the pause, which tells it apart."""
+    refused = []
+    for engine, control in controls.items():
+        try:
+            refusal = control.label_refusal(version, rollback=rollback)
+        except ControlError as exc:
+            log.info("engine %s could not be asked whether it takes version %r: %s", engine, version, exc)
+            continue
+        if refusal is not None:
+            refused.append(refusal)
+    return refused
+
+
 class UpdateCalls:
     """The control calls of the update to `version`: engines paused in `modes`, their caches
     flushed at the finish if `flush_cache`; leases of `lease` seconds, renewed at most every

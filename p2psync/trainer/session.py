@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar, cast
 
-from ..core.errors import ConnectError, P2PSyncError, TrainerLost, UpdateError, first_line
+from ..core.errors import ConnectError, P2PSyncError, TrainerLost, UpdateError, VersionError, first_line
 from ..core.exits import CloseAtExit
 from ..core.pause import PauseMode, pause_mode
 from ..core.plugins import Registry, registry as default_registry
@@ -23,7 +23,7 @@ from ..core.source import TrainerSource
 from ..core.transport import Transport
 from ..core.types import TargetTable
 from . import collectives
-from .calls import pause_modes
+from .calls import label_refusals, pause_modes
 from .connect import Connector
 from .connection import Connection
 from .failures import RankFailures
@@ -185,7 +185,9 @@ class Session:
         this update are not resumed, and the session cannot update again. In delta
         mode, `full` sends every target its full bytes this time. A version label used
         before in this session, or one ordering before the latest, raises VersionError
-        unless `rollback`; a call while another thread's runs raises ConcurrentCallError.
+        unless `rollback`, as does one an engine served before, in any session (a rollback must
+        bring back the weights the label named there, or that engine does not serve it); a
+        call while another thread's runs raises ConcurrentCallError.
         `pause` overrides the session's pause mode for this update (`SessionOptions.pause`); an
         engine that lacks it raises OptionsError before anything is paused or written.
         """
@@ -203,6 +205,10 @@ class Session:
             raise P2PSyncError("update before connect")
         modes = conn.pause_modes if pause is None else pause_modes(conn.controls, pause_mode(pause))
         self._labels.check(version, rollback=rollback)
+        asked = label_refusals(conn.controls, version, rollback=rollback) if self.rank == 0 else None
+        refused = collectives.broadcast(asked)  # every rank raises alike
+        if refused:
+            raise VersionError(f"version {version!r} refused by the engines: {'; '.join(refused)}")
         self._labels.record(version)
         settings = RunSettings(
             self.rank, self.check, self.options.transfer_timeout, self.options.lease_seconds, self.options.flush_cache

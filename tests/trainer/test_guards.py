@@ -1,6 +1,7 @@
 """What a Session refuses before an update starts, with the toy engine's ranks as oracle:
 a second call from another thread while one runs (the running one is not disturbed), and
-a version label that would name two sets of weights (nothing is written)."""
+a version label that would name two sets of weights (nothing is written), in the session or
+on an engine that served it to another session."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from p2psync.core.errors import ConcurrentCallError, VersionError
 from p2psync.trainer.guards import VersionLabels
+from p2psync.trainer.session import Session
 from tests.helpers.doubles import DictSource
 from tests.helpers.toy_engine import engine_rank, hf_model, toy_session
 
@@ -64,6 +66,29 @@ def test_a_reused_version_is_refused_before_anything_is_written():
         assert_holds(engines, expected, "after the refused update")  # nothing written
         assert session.update("v1-again", rollback=False).ok
         assert_holds(engines, own_load_of(engines, changed), "after the next update")
+
+
+def test_a_label_an_engine_served_is_refused_to_a_new_session_unless_a_rollback_brings_its_weights_back():
+    """A restarted trainer (a new Session) labels other weights 'v1', which the engine served:
+    refused on every rank before anything is written; as a rollback with other weights, the
+    engine does not serve them; a rollback to the weights 'v1' named is served."""
+    first = {n: t.detach().clone() for n, t in hf_model(0).state_dict().items()}
+    changed = {n: t + 1 for n, t in first.items()}
+    with toy_session(DictSource(first)) as (session, engines):
+        assert session.update("v1").ok
+        v1 = own_load_of(engines, first)
+        with Session(source=DictSource(changed), rendezvous=session.rendezvous, transport="samehost",
+                     check=True) as restarted:
+            restarted.connect(["toy-0"])
+            with pytest.raises(VersionError, match="engine 'toy-0' rank 0: it served version 'v1' before"):
+                restarted.update("v1")
+            assert_holds(engines, v1, "after the refused label")  # nothing written
+            report = restarted.update("v1", rollback=True)
+            assert report.stale == ["toy-0"], report.format()
+            assert "version 'v1' named other weights when this rank served it before" in report.engines["toy-0"].error
+            restarted.source.tensors.update(first)
+            assert restarted.update("v1", rollback=True).ok
+            assert_holds(engines, v1, "after the rollback")
 
 
 def test_a_second_call_while_an_update_runs_is_refused_and_the_first_is_undisturbed():
