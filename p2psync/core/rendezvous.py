@@ -15,13 +15,13 @@ processes never serve one engine id unnoticed (see `EngineEndpoint`).
 from __future__ import annotations
 
 import logging
-import secrets
 import socket
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from .errors import RendezvousError, first_line
+from .token import job_token
 from .types import TargetTable
 
 if TYPE_CHECKING:
@@ -38,9 +38,11 @@ class Rendezvous:
 
     `is_server=True` hosts the store in this process (port 0 picks a free port);
     everyone else connects to `host:port` when first needed, waiting at most `timeout`
-    for it to listen. The host also creates the job's secret token (or takes `token`);
-    engines check it on every control call, so a trainer of another job, or one given
-    another token, is refused.
+    for it to listen (`timeout=math.inf`: as long as it takes, saying so now and then, as
+    an engine that outlives its trainers waits for the next). `token()` is the job's
+    secret token (`token`, else `core.token.job_token`): engines check it on every control
+    call, so a trainer of another job, or one given another token, is refused. It never
+    travels through the store.
     """
 
     def __init__(
@@ -68,8 +70,7 @@ class Rendezvous:
         self._store = store
         self._prefixed: dist.Store | None = None
         self.port: int = store.port if store is not None and hasattr(store, "port") else port
-        if is_server:
-            self.store.set("token", token or secrets.token_hex(16))
+        self._token = token
 
     @property
     def where(self) -> str:
@@ -116,11 +117,15 @@ class Rendezvous:
         """Another client of the same store and job, for another thread to use."""
         root = self._connect(None)
         store = root.clone() if hasattr(root, "clone") else root
-        return Rendezvous(host=self.host, port=self.port, job_id=self.job_id, timeout=self.timeout, store=store)
+        return Rendezvous(
+            host=self.host, port=self.port, job_id=self.job_id, timeout=self.timeout, store=store, token=self._token
+        )
 
     def token(self) -> str:
-        """The job's secret token, as the rendezvous host set it."""
-        return self._get("token", None, self.timeout).decode()
+        """The job's secret token: as given, else the job's (`core.token.job_token`)."""
+        if self._token is None:
+            self._token = job_token(self.job_id)
+        return self._token
 
     def publish(self, table: TargetTable, *, replacing: TargetTable | None = None) -> TargetTable | None:
         """Publish one engine rank's table if its place is free (never published, or

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from .host import local_host
 from .options import NoOptions, parse
 from .types import TargetTable
 
@@ -95,6 +96,11 @@ class Transport(ABC):
         published info carries (the torch.distributed transport builds its groups
         there). Called once, before `expose` or `open`."""
         self.rendezvous = rendezvous
+
+    def local_host(self, named: str | None = None) -> str:
+        """The address peers reach this process's sockets at: `named` (the transport's `host`
+        option) where set, else `core.host.local_host` toward the rendezvous host."""
+        return named or local_host(toward=self.rendezvous.host if self.rendezvous is not None else None)
 
     @abstractmethod
     def expose(self, tensors: Sequence[torch.Tensor]) -> dict[str, Any]:

@@ -57,7 +57,9 @@ class TargetTable:
     rank index itself; equal key and rank mean equal bytes, so one layout and one
     filled buffer can serve several engines. `instance` names the process that
     published it (host, pid, a random part); `incarnation` counts the processes that
-    have served this engine rank, so that a restart replaces its predecessor openly.
+    have served this engine rank, so that a restart replaces its predecessor openly. `node`
+    names the network it published from (`core.host.node_id`): a trainer on another node
+    refuses a host-local address in it.
     """
 
     engine_id: str
@@ -74,6 +76,7 @@ class TargetTable:
     incarnation: int = 0
     instance: str = ""
     patch_area: tuple[int, int] | None = None
+    node: str = ""
 
     @property
     def target(self) -> TargetId:

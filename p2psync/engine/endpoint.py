@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.control import ControlServer, Refused
 from ..core.digest import byte_view, digest
-from ..core.host import local_host
+from ..core.host import local_host, node_id
 from ..core.errors import P2PSyncError, where
 from ..core.exits import CloseAtExit
 from ..core.memory import device_of
@@ -99,7 +99,7 @@ class EngineEndpoint:
         if not self.hooks.pause_modes or not set(self.hooks.pause_modes) <= set(PAUSE_MODES):
             raise ValueError(f"{where(engine_id, rank)}: hooks.pause_modes {self.hooks.pause_modes!r} must name "
                              "one or more pause modes (p2psync.core.pause.PAUSE_MODES)")
-        self.host = host or local_host()  # $P2PSYNC_HOST or loopback
+        self.host = host or local_host(toward=rendezvous.host)
         self.token = rendezvous.token() if token is None else token
         self.extra = {**(extra or {}), PAUSE_MODES_KEY: list(self.hooks.pause_modes)}
         self.requested_incarnation = incarnation
@@ -222,6 +222,7 @@ class EngineEndpoint:
             extra=self.extra,
             incarnation=self.requested_incarnation or 0,
             instance=f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}",
+            node=node_id(),
             patch_area=(self.patches.tensor.data_ptr(), self.patches.nbytes) if self.patches else None,
         )
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from ..core.engine import EngineControl
 from ..core.errors import ConnectError, P2PSyncError, where
+from ..core.host import HOST_ENV, host_of, is_host_local, node_id
 from ..core.plugins import Registry
 from ..core.rendezvous import Rendezvous
 from ..core.source import TrainerSource
@@ -136,4 +137,21 @@ class Connector:
             raise ConnectError(
                 f"{where(table.engine_id, table.rank)} joined job {table.job_id!r}, not {self.rendezvous.job_id!r}"
             )
+        _check_reachable(table)
         self.source.check_table(table)
+
+
+def _check_reachable(table: TargetTable) -> None:
+    """Refuse a host-local address published from another node: dialed here, it would reach
+    this node's loopback, not the engine."""
+    if not table.node or table.node == node_id():
+        return
+    published = [table.control_url, *(v for v in table.transport_info.values() if isinstance(v, str))]
+    for address in published:
+        if is_host_local(host_of(address)):
+            raise ConnectError(
+                f"{where(table.engine_id, table.rank)} published the host-local address {address!r} from another node "
+                f"(it is on {table.node}, this trainer on {node_id()}): start the engine inside a Ray actor (p2psync "
+                f"then publishes the Ray node's address), or set ${HOST_ENV} in the engine's processes to an address "
+                "this node reaches"
+            )

@@ -495,7 +495,7 @@ port, timeout, what = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
 start = time.monotonic()
 try:
     rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id="job-7", timeout=timeout)
-    rendezvous.token() if what == "token" else rendezvous.read_engine("ghost")
+    rendezvous.get("status") if what == "key" else rendezvous.read_engine("ghost")
 except Exception as exc:
     print(f"{type(exc).__name__}: {exc}")
 print(f"{time.monotonic() - start:.2f}")
@@ -513,10 +513,10 @@ def run_probe(port: int, timeout: float, what: str) -> tuple[str, float, str]:
 
 def test_an_unreachable_rendezvous_fails_within_its_timeout_naming_host_port_job_and_key():
     port = closed_port()
-    error, seconds, stderr = run_probe(port, 2.0, "token")
+    error, seconds, stderr = run_probe(port, 2.0, "key")
     assert error == (
         f"RendezvousError: no rendezvous answers at 127.0.0.1:{port} (job 'job-7') within 2 s, "
-        "waiting for key 'token': connection refused"
+        "waiting for key 'status': connection refused"
     )
     assert seconds < 2.0 + 1.5
     assert "frame #" not in stderr and "Exception raised from" not in stderr and "socket" not in stderr, stderr

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...core.errors import TransferError
-from ...core.host import local_host
 from ...core.transport import Peer, Transport, WriteBatch
 from ...core.types import TargetTable
 from .pacing import WirePace
@@ -57,7 +56,8 @@ def rdma_devices() -> list[str]:
 
 @dataclass(frozen=True)
 class MooncakeOptions:
-    """`host`: the address peers reach this process at (default $P2PSYNC_HOST or 127.0.0.1);
+    """`host`: the address peers reach this process at (default: `core.host.local_host`:
+    $P2PSYNC_HOST, the Ray node's address, or the route toward the rendezvous);
     `protocol`: Mooncake's ("auto": rdma when an RDMA device exists, else tcp);
     `device_name`: RDMA devices ("" = all); `log_level`: Mooncake's own (default WARNING:
     its INFO level logs every batch; $MC_LOG_LEVEL wins when set)."""
@@ -79,7 +79,6 @@ class MooncakeTransport(Transport):
 
     def __init__(self, *, options: Mapping[str, Any] | MooncakeOptions | None = None) -> None:
         super().__init__(options=options)
-        self.host = self.options.host or local_host()
         requested = self.options.protocol
         devices = rdma_devices()
         if requested == "auto":
@@ -93,6 +92,11 @@ class MooncakeTransport(Transport):
         self.device_name = self.options.device_name
         self._engine: Any = None
         self._registered: dict[int, int] = {}  # address -> bytes
+
+    @property
+    def host(self) -> str:
+        """The address peers reach this process at (see `Transport.local_host`)."""
+        return self.local_host(self.options.host)
 
     @property
     def registered_bytes(self) -> int:

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ...core.errors import TransferError, TransferTimeout, where
-from ...core.host import local_host
 from ...core.transport import Peer, Transport, WriteBatch
 from ...core.types import TargetTable
 from ...core.memory import AddressMap, device_of
@@ -33,8 +32,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class TorchDistOptions:
-    """`host`: the address this process's gloo sockets bind to (default $P2PSYNC_HOST or
-    127.0.0.1); `connect_timeout`: seconds (default: the rendezvous's timeout)."""
+    """`host`: the address this process's gloo sockets bind to (default: `core.host.local_host`:
+    $P2PSYNC_HOST, the Ray node's address, or the route toward the rendezvous);
+    `connect_timeout`: seconds (default: the rendezvous's timeout)."""
 
     host: str | None = None
     connect_timeout: float | None = None
@@ -49,7 +49,6 @@ class TorchDistTransport(Transport):
 
     def __init__(self, *, options: Mapping[str, Any] | TorchDistOptions | None = None) -> None:
         super().__init__(options=options)
-        self.host = self.options.host or local_host()
         self._buffers = AddressMap()
         self._receiver: Receiver | None = None
 
@@ -57,6 +56,11 @@ class TorchDistTransport(Transport):
         if self.rendezvous is None:
             raise TransferError("the torchdist transport builds its groups in the rendezvous: call bind() first")
         return self.rendezvous
+
+    @property
+    def host(self) -> str:
+        """The address peers reach this process at (see `Transport.local_host`)."""
+        return self.local_host(self.options.host)
 
     @property
     def connect_timeout(self) -> float:
