@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import mmap
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -238,51 +238,17 @@ class EngineLayout(Layout):
         self, rank_model: RankModel, inputs: Sequence[ParamSpec], outputs: tuple[str, ...], mode: Mode,
         copies: Mapping[str, list[Block] | None],
     ) -> _Group:
-        slots, offset = [], 0
-        for name in outputs:
-            p = self._holders.params[name]
-            slots.append(_Slot(name, offset, tuple(p.shape), p.dtype, p.numel() * p.element_size()))
-            offset += aligned(slots[-1].nbytes)
-        group = ParamGroup(tuple(s.name for s in inputs), outputs, offset)
+        slots, nbytes = slots_of(self._holders.params, outputs)
+        group = ParamGroup(tuple(s.name for s in inputs), outputs, nbytes)
         if mode == "copy_map":
             traced = [copies.get(name) for name in outputs]
             if all(blocks is not None for blocks in traced):
-                checked = self._checked(rank_model, group, slots, inputs, traced)  # type: ignore[arg-type]
+                checked = checked_group(
+                    self.table, rank_model, self._holders, self._mutated, group, slots, inputs, traced,  # type: ignore[arg-type]
+                )
                 if checked is not None:
                     return checked
         return self._probed(rank_model, group, slots, inputs, mode)
-
-    def _checked(
-        self, rank_model: RankModel, group: ParamGroup, slots: Sequence[_Slot], inputs: Sequence[ParamSpec],
-        traced: Sequence[list[Block]],
-    ) -> _Group | None:
-        """The group from its traced copies if they write exactly what the real loader writes for
-        random inputs (a sample of them where the group repeats one structure), else None."""
-        covered = [_written_runs(blocks) for blocks in traced]
-        if any(runs is None for runs in covered):
-            log.debug("%s: its traced copies overlap", where(self.table.engine_id, self.table.rank, group.outputs[0]))
-            return None
-        has_constants = any(b.source is None for blocks in traced for b in blocks)
-        sample = {s.name for s in inputs} if has_constants else sampled([s.name for s in inputs])
-        checked = [[b for b in blocks if b.source is None or b.source in sample] for blocks in traced]
-        random = _read_at_random([s for s in inputs if s.name in sample], [b for c in checked for b in c], group.outputs[0])
-        flat = {name: t.view(-1) for name, t in random}
-
-        def write(out: torch.Tensor) -> None:
-            for slot, blocks in zip(slots, checked):
-                replay(blocks, flat, slot.view(out).view(-1))
-
-        if not writes_like_loader(
-            rank_model.load, self._holders, _viewer(slots), random, group.nbytes, self._mutated, write
-        ):
-            log.debug("%s: its traced copies differ from the loader", where(self.table.engine_id, self.table.rank, group.outputs[0]))
-            return None
-        params = []
-        for slot, blocks, runs in zip(slots, traced, covered):
-            size = slot.dtype.itemsize
-            regions = [Region(slot.name, s * size, slot.offset + s * size, n * size) for s, n in runs or ()]
-            params.append(_Param(slot, regions, blocks))
-        return _Group(group, params, traced=True)
 
     def _probed(
         self, rank_model: RankModel, group: ParamGroup, slots: Sequence[_Slot], inputs: Sequence[ParamSpec], mode: Mode
@@ -307,7 +273,7 @@ class EngineLayout(Layout):
         params = []
         for slot in slots:
             part = slice(slot.offset, slot.offset + slot.nbytes)
-            regions = [Region(slot.name, s, slot.offset + s, n) for s, n in written_runs(written[part])]
+            regions = written_regions(slot, written[part])
             blocks = None
             if maps is not None and maps[slot.name].pure:
                 blocks = self._verified_blocks(slot, maps[slot.name], codes, flat, reference[part], written[part])
@@ -330,6 +296,54 @@ class EngineLayout(Layout):
             return blocks
         log.debug("%s: its copies do not reproduce the loader's bytes", where(self.table.engine_id, self.table.rank, slot.name))
         return None
+
+
+def slots_of(params: Mapping[str, torch.Tensor], outputs: Sequence[str]) -> tuple[list[_Slot], int]:
+    """Where each of `outputs` sits in its group's bytes, and the group's size: one after another,
+    each aligned."""
+    slots, offset = [], 0
+    for name in outputs:
+        p = params[name]
+        slots.append(_Slot(name, offset, tuple(p.shape), p.dtype, p.numel() * p.element_size()))
+        offset += aligned(slots[-1].nbytes)
+    return slots, offset
+
+
+def written_regions(slot: _Slot, written: torch.Tensor) -> list[Region]:
+    """The regions of `slot`'s parameter whose bytes the loader writes (`written`: a mask of them)."""
+    return [Region(slot.name, s, slot.offset + s, n) for s, n in written_runs(written)]
+
+
+def checked_group(
+    table: TargetTable, rank_model: RankModel, holders: ParameterHolders, mutated: Collection[str],
+    group: ParamGroup, slots: Sequence[_Slot], inputs: Sequence[ParamSpec], traced: Sequence[list[Block]],
+) -> _Group | None:
+    """The group from its traced copies if they write exactly what the real loader writes for
+    random inputs (a sample of them where the group repeats one structure), else None. `mutated`:
+    the inputs the loader changes in place."""
+    covered = [_written_runs(blocks) for blocks in traced]
+    if any(runs is None for runs in covered):
+        log.debug("%s: its traced copies overlap", where(table.engine_id, table.rank, group.outputs[0]))
+        return None
+    has_constants = any(b.source is None for blocks in traced for b in blocks)
+    sample = {s.name for s in inputs} if has_constants else sampled([s.name for s in inputs])
+    checked = [[b for b in blocks if b.source is None or b.source in sample] for blocks in traced]
+    random = _read_at_random([s for s in inputs if s.name in sample], [b for c in checked for b in c], group.outputs[0])
+    flat = {name: t.view(-1) for name, t in random}
+
+    def write(out: torch.Tensor) -> None:
+        for slot, blocks in zip(slots, checked):
+            replay(blocks, flat, slot.view(out).view(-1))
+
+    if not writes_like_loader(rank_model.load, holders, _viewer(slots), random, group.nbytes, mutated, write):
+        log.debug("%s: its traced copies differ from the loader", where(table.engine_id, table.rank, group.outputs[0]))
+        return None
+    params = []
+    for slot, blocks, runs in zip(slots, traced, covered):
+        size = slot.dtype.itemsize
+        regions = [Region(slot.name, s * size, slot.offset + s * size, n * size) for s, n in runs or ()]
+        params.append(_Param(slot, regions, blocks))
+    return _Group(group, params, traced=True)
 
 
 def _renamed_group(group: _Group, names: Mapping[str, str]) -> _Group:

@@ -79,7 +79,7 @@ class QuantizedLayout(Layout):
         params = dict(rank_model.model.named_parameters())
         self.quantized = self._to_quantize(_feeds(table, rank_model, params, sources), params, sources)
         together = [(name, quantizer.scale_name(name)) for name in sources if name in self.quantized]
-        checkpoint = self._quantized_specs(sources)
+        checkpoint = self.checkpoint_specs(sources)
         trace = self._scales_loaded(rank_model, params, checkpoint, [scale for _, scale in together])
         self.inner = EngineLayout(table, checkpoint, rank_model, mode=mode, together=together, trace=trace)
         self._index()
@@ -242,7 +242,7 @@ class QuantizedLayout(Layout):
                 )
         return frozenset(fp8)
 
-    def _quantized_specs(self, sources: Mapping[str, ParamSpec]) -> dict[str, ParamSpec]:
+    def checkpoint_specs(self, sources: Mapping[str, ParamSpec]) -> dict[str, ParamSpec]:
         """The checkpoint the engine's loader is given: quantized weights in fp8, each followed by its scale."""
         out = {}
         for name, spec in sources.items():

@@ -45,13 +45,10 @@ def compile_shared(
     rename: Callable[[G, Mapping[str, str]], G],
 ) -> tuple[list[G], int]:
     """Every instance compiled, in order, and how many were compiled by renaming another."""
-    by_key: dict[tuple[Any, ...], list[int]] = {}
-    for i, instance in enumerate(instances):
-        by_key.setdefault(key(instance), []).append(i)
     out: dict[int, G] = {}
     shared = 0
-    for members in by_key.values():
-        checked = sorted({members[0], members[1 % len(members)], members[-1]})
+    for members in by_structure(instances, key):
+        checked = sampled_instances(members)
         for i in checked:
             out[i] = compile_one(instances[i])
         first = members[0]
@@ -67,6 +64,19 @@ def compile_shared(
                 if i not in out:
                     out[i] = compile_one(instances[i])
     return [out[i] for i in range(len(instances))], shared
+
+
+def by_structure(instances: Sequence[Instance], key: Callable[[Instance], tuple[Any, ...]]) -> list[list[int]]:
+    """The indices of `instances`, one list per structure (equal `key`), each in order."""
+    by_key: dict[tuple[Any, ...], list[int]] = {}
+    for i, instance in enumerate(instances):
+        by_key.setdefault(key(instance), []).append(i)
+    return list(by_key.values())
+
+
+def sampled_instances(members: Sequence[int]) -> list[int]:
+    """Of one structure's instances, those checked against the loader: first, second and last."""
+    return sorted({members[0], members[1 % len(members)], members[-1]})
 
 
 def names_between(a: Instance, b: Instance) -> dict[str, str]:
