@@ -239,6 +239,7 @@ def test_a_stored_fp8_layout_fills_what_sglangs_load_writes():
     """An fp8 layout through its bytes (`layouts.stored`: what the layout cache keeps and trainer
     ranks exchange) quantizes and fills what sglang's own load of the fp8 checkpoint writes."""
     from p2psync.layouts import stored
+    from p2psync.layouts.verify import verify
 
     quantizer, tensors = quantizer_of("block-linear", 128), checkpoint("qwen3_moe")
     expected, table = sglang_rank("qwen3_moe", quantizer, 2, 2, 1)
@@ -246,6 +247,7 @@ def test_a_stored_fp8_layout_fills_what_sglangs_load_writes():
     data = stored.encode(target.layout(table, specs(tensors)))
     assert data is not None
     layout = stored.decode(data, table, lambda: target.rank_model(table))
+    verify(layout, table, specs(tensors), target)  # what the layout cache checks it against when it reads it
     assert layout.quantizer == quantizer and layout.quantized
     held = produce(layout, tensors, table)
     for param, tensor in expected.items():

@@ -147,6 +147,7 @@ def test_a_stored_layout_fills_what_sglangs_load_writes(mode):
     """A layout through its bytes (`layouts.stored`: what the layout cache keeps on disk and trainer
     ranks exchange) fills what sglang's own load writes; the replica rebuilds its rank model."""
     from p2psync.layouts import stored
+    from p2psync.layouts.verify import verify
 
     tensors = checkpoint("qwen3_moe")
     expected, table = sglang_rank(config_dict(hf_config("qwen3_moe")), 2, 2, 1, tensors)
@@ -154,6 +155,7 @@ def test_a_stored_layout_fills_what_sglangs_load_writes(mode):
     data = stored.encode(target.layout(table, specs(tensors)))
     assert data is not None
     layout = stored.decode(data, table, lambda: target.rank_model(table))
+    verify(layout, table, specs(tensors), target)  # what the layout cache checks it against when it reads it
     assert layout.rank_model is None, "built when a parameter the loader produces is first filled"
     held = produce(layout, tensors, table)
     assert (layout.rank_model is None) == (mode == "copy_map")

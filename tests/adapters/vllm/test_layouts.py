@@ -101,6 +101,7 @@ def test_a_stored_layout_fills_what_vllms_load_writes(mode):
     """A layout through its bytes (`layouts.stored`: what the layout cache keeps on disk and trainer
     ranks exchange) fills what vLLM's own load writes; the replica rebuilds its rank model."""
     from p2psync.layouts import stored
+    from p2psync.layouts.verify import verify
 
     tensors = checkpoint("qwen3_moe")
     expected, table = engine_rank("qwen3_moe", 2, 1, tensors)
@@ -108,6 +109,7 @@ def test_a_stored_layout_fills_what_vllms_load_writes(mode):
     data = stored.encode(target.layout(table, specs(tensors)))
     assert data is not None
     layout = stored.decode(data, table, lambda: target.rank_model(table))
+    verify(layout, table, specs(tensors), target)  # what the layout cache checks it against when it reads it
     assert layout.rank_model is None, "built when a parameter the loader produces is first filled"
     assert_same_bytes(produce(layout, tensors, expected), expected)
     assert (layout.rank_model is None) == (mode == "copy_map")
