@@ -4,16 +4,21 @@ on the same engines) reads its layouts instead of compiling them.
 
 One file per layout key, under the key's SHA-256: a magic line, a JSON header line (format,
 p2psync version, the full key, the payload's size and SHA-256), then the payload
-(`layouts.stored`). The directory may be shared by every rank and process of a job, and by
-jobs: an entry is written to a temporary file beside it and renamed into place (atomic; of
-concurrent writers of one key, the last rename wins, with equal bytes). Nothing read is
-trusted: a missing magic, another format or version, another key (an entry renamed into
-place), a short or corrupt payload, or one that does not decode, is logged once as a
-WARNING naming the file and compiled again (which rewrites it).
+(`layouts.stored`). The key names everything that decides the layout, the builds of
+p2psync and of the engine adapter included (`trainer.layouts.LayoutCache._key`), so
+another build never reads this one's entries. The directory may be shared by every rank
+and process of a job, and by jobs: an entry is written to a temporary file beside it and
+renamed into place (atomic; of concurrent writers of one key, the last rename wins, with
+equal bytes). Nothing read is trusted: a missing magic, another format or version, another
+key (an entry renamed into place), a short or corrupt payload, one that does not decode,
+or one that `decode` refuses (the layout cache checks each against the engine's own
+loader: `p2psync.layouts.verify`) is logged once as a WARNING naming the file, removed,
+and compiled again (which writes it anew).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -44,7 +49,7 @@ class LayoutDisk:
 
     def load(self, key: str, decode: Callable[[bytes], T]) -> T | None:
         """`decode` of the payload stored under `key`; None where there is none or it is not
-        trusted (then with a warning naming the file)."""
+        trusted (then removed, with a warning naming the file)."""
         path = self.path(key)
         try:
             data = path.read_bytes()
@@ -56,7 +61,9 @@ class LayoutDisk:
         try:
             return decode(_payload(data, key))
         except Exception as exc:  # noqa: BLE001 - a bad entry is compiled again, whatever it holds
-            log.warning("layout cache entry %s is not used: %s; compiling the layout again", path, exc)
+            log.warning("layout cache entry %s is not used: %s; removing it and compiling the layout again", path, exc)
+            with contextlib.suppress(OSError):  # gone already (another rank), or a read-only directory
+                path.unlink()
             return None
 
     def has(self, key: str) -> bool:

@@ -4,11 +4,14 @@ compiled, and compiled once for the whole trainer world.
 
 A layout is kept under everything that decides its bytes: the unit (engine kind and
 version, architecture, parallel layout, quantization and rank, as the engine publishes
-them) and the parameters its table publishes, the engine target class (and the package and
-version that registered it) and its options, the trainer's HF tensors and p2psync's
-version. In memory it is reused by every later connect of any session in this process (a
-reconnect to engines whose layout keys did not change, a second session beside the first)
-and on disk (`layout_disk`) by later processes.
+them) and the parameters its table publishes, the engine target class (the package and
+version that registered it, and a hash of its package's sources: `adapter_build`) and its
+options, the trainer's HF tensors and p2psync's build (`version.layout_build`: its version
+is the same at every commit). In memory it is reused by every later connect of any session
+in this process (a reconnect to engines whose layout keys did not change, a second session
+beside the first) and on disk (`layout_disk`) by later processes, once checked against the
+engine's own loader (`p2psync.layouts.verify`) as a fresh compile is: a key cannot tell
+every build apart (a plugin without sources), and a well-formed entry can still be wrong.
 
 Sharing the compile: every trainer rank needs every unit's layout (from the HF tensors of
 every sender group), so the units no rank holds are split across the world ranks, balanced
@@ -22,12 +25,14 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import zip_longest
+from pathlib import Path
 from typing import Any
 
 from ..core.engine import EngineTarget
@@ -35,7 +40,7 @@ from ..core.errors import ConnectError, P2PSyncError, where
 from ..core.layout import Layout
 from ..core.plugins import Registry
 from ..core.types import ParamSpec, TargetTable
-from ..core.version import VERSION
+from ..core.version import layout_build, source_hash
 from ..layouts.target import RankModelTarget
 from . import collectives
 from .layout_disk import LayoutDisk
@@ -115,7 +120,7 @@ class LayoutCache:
             layout = self._remembered(keys[unit])
             counts["memory"] += layout is not None
             if layout is None and self.disk is not None and self._shareable(table):
-                layout = self.disk.load(keys[unit][1], partial(self._decode, table=table))
+                layout = self.disk.load(keys[unit][1], partial(self._read, table=table, specs=specs))
                 counts["disk"] += layout is not None
                 if layout is not None:
                     self._remember(keys[unit], layout)
@@ -208,6 +213,17 @@ class LayoutCache:
         assert isinstance(target, RankModelTarget)
         return stored.decode(data, table, lambda: target.rank_model(table))
 
+    def _read(self, data: bytes, table: TargetTable, specs: Mapping[str, ParamSpec]) -> Layout:
+        """The layout of a cache entry's payload, once it is what this build's engine loader makes
+        of `specs` (else UnverifiedLayout says why)."""
+        from ..layouts.verify import verify
+
+        layout = self._decode(data, table)
+        target = self.target(table)
+        assert isinstance(target, RankModelTarget)
+        verify(layout, table, specs, target)
+        return layout
+
     def _key(self, table: TargetTable, sources: str) -> tuple[type, str]:
         """Everything that decides the layout of `table`'s unit (`sources`: the HF tensors as
         JSON): the engine target class and the text of the rest, one line each."""
@@ -216,9 +232,12 @@ class LayoutCache:
         parts: list[Any] = [
             unit_of(table.layout_key_text, table.rank),
             [[p.name, list(p.shape), p.dtype, p.nbytes] for p in table.params],
-            [f"{target.__module__}.{target.__qualname__}", *((registered.package, registered.version) if registered else ())],
+            [
+                f"{target.__module__}.{target.__qualname__}", adapter_build(target),
+                *((registered.package, registered.version) if registered else ()),
+            ],
             self.engine_options.get(table.engine, {}),
-            VERSION,
+            layout_build(),
         ]
         return target, "\n".join(json.dumps(p, sort_keys=True, default=repr) for p in parts) + "\n" + sources
 
@@ -236,6 +255,17 @@ class LayoutCache:
             _BUILT[key] = layout
             while len(_BUILT) > KEPT:
                 _BUILT.popitem(last=False)
+
+
+def adapter_build(cls: type) -> str:
+    """A hash of the sources of engine target `cls`'s package (its module's directory; the module
+    alone where it is top-level): what its rank models, hence its layouts, are built from, where
+    a version (p2psync's built-ins all register as p2psync's) names many builds."""
+    module = sys.modules[cls.__module__]
+    file = getattr(module, "__file__", None)
+    if file is None:
+        return "no sources"
+    return source_hash(str(Path(file).parent) if module.__package__ else file)
 
 
 def assign(missing: Sequence[Sequence[int]], costs: Sequence[int]) -> dict[int, int]:
