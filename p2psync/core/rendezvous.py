@@ -15,6 +15,7 @@ processes never serve one engine id unnoticed (see `EngineEndpoint`).
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import time
 from datetime import timedelta
@@ -31,6 +32,9 @@ log = logging.getLogger(__name__)
 
 #: Seconds between polls of a key that is not there yet (doubling up to the second figure).
 POLL = (0.02, 0.25)
+#: Seconds into a wait for the rendezvous to listen when it is first said (then doubling, at
+#: most the second figure apart).
+SAY_WAITING, SAY_WAITING_MAX = 5.0, 300.0
 
 
 class Rendezvous:
@@ -38,8 +42,8 @@ class Rendezvous:
 
     `is_server=True` hosts the store in this process (port 0 picks a free port);
     everyone else connects to `host:port` when first needed, waiting at most `timeout`
-    for it to listen (`timeout=math.inf`: as long as it takes, saying so now and then, as
-    an engine that outlives its trainers waits for the next). `token()` is the job's
+    for it to listen (`patient=True`: as long as it takes, saying so now and then, as an
+    engine that outlives its trainers waits for the next). `token()` is the job's
     secret token (`token`, else `core.token.job_token`): engines check it on every control
     call, so a trainer of another job, or one given another token, is refused. It never
     travels through the store.
@@ -55,6 +59,7 @@ class Rendezvous:
         timeout: float = 60.0,
         store: dist.Store | None = None,
         token: str | None = None,
+        patient: bool = False,
     ) -> None:
         import torch.distributed as dist
 
@@ -62,6 +67,7 @@ class Rendezvous:
             raise ValueError(f"job id must be a non-empty name without '/', got {job_id!r}")
         self.job_id = job_id
         self.timeout = timeout
+        self.patient = patient
         self.host = host
         if store is None and is_server:
             store = dist.TCPStore(
@@ -98,9 +104,10 @@ class Rendezvous:
         import torch.distributed as dist
 
         timeout = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout if deadline is None else deadline
+        if deadline is None:
+            deadline = math.inf if self.patient else time.monotonic() + timeout
         awaited = f", waiting for key {key!r}" if key else ""
-        failure = _wait_listening(self.host, self.port, deadline)
+        failure = _wait_listening(self.host, self.port, deadline, self.where)
         if failure:
             raise RendezvousError(f"no rendezvous answers at {self.where} within {timeout:g} s{awaited}: {failure}")
         try:
@@ -112,6 +119,23 @@ class Rendezvous:
                 f"rendezvous at {self.where} refused this client{awaited}: {first_line(exc)}"
             ) from exc
         return self._store
+
+    def reset(self) -> None:
+        """Drop the store client (its store went away): the next call connects anew."""
+        if self._store is not None and not hasattr(self._store, "port"):
+            return  # a store handed in, not a client of host:port
+        self._store = self._prefixed = None
+
+    def held(self, engine_id: str, rank: int, timeout: float) -> TargetTable | None:
+        """The table holding engine `engine_id` rank `rank`'s place now (None: free), asking for
+        at most `timeout` seconds; RendezvousError where the store does not answer."""
+        key = f"engine/{engine_id}/rank/{rank}"
+        self._connect(key, timeout, time.monotonic() + timeout)
+        try:
+            value = self.store.get(key) if self.store.check([key]) else b""
+        except Exception as exc:  # the store went away
+            raise RendezvousError(f"rendezvous {self.where} failed reading key {key!r}: {first_line(exc)}") from exc
+        return TargetTable.from_json(value) if value else None
 
     def clone(self) -> Rendezvous:
         """Another client of the same store and job, for another thread to use."""
@@ -215,9 +239,12 @@ class Rendezvous:
         raise RendezvousError(f"rendezvous {self.where}: key {key!r}{who} not published within {timeout:g} s")
 
 
-def _wait_listening(host: str, port: int, deadline: float) -> str:
-    """Wait until something accepts TCP connections at host:port; "" then, else why not."""
+def _wait_listening(host: str, port: int, deadline: float, where: str) -> str:
+    """Wait until something accepts TCP connections at host:port; "" then, else why not.
+    A long wait says so at INFO, at growing intervals."""
     pause = POLL[0]
+    start = time.monotonic()
+    report = SAY_WAITING
     while True:
         try:
             with socket.create_connection((host, port), timeout=max(0.05, min(1.0, deadline - time.monotonic()))):
@@ -229,5 +256,9 @@ def _wait_listening(host: str, port: int, deadline: float) -> str:
         left = deadline - time.monotonic()
         if left <= 0:
             return failure
+        waited = time.monotonic() - start
+        if waited >= report:
+            log.info("waiting for the rendezvous at %s (%.0f s so far: %s)", where, waited, failure)
+            report = min(report * 2, waited + SAY_WAITING_MAX)
         time.sleep(min(pause, left))
         pause = min(pause * 2, POLL[1])

@@ -37,6 +37,7 @@ from .client import PAUSE_MODES_KEY, EndpointControl
 from .fingerprints import HeldWeights
 from .hooks import EndpointOptions, EngineHooks
 from .patch import PatchArea, default_area_bytes
+from .presence import Presence
 from .state import EngineState
 
 if TYPE_CHECKING:
@@ -118,6 +119,7 @@ class EngineEndpoint:
         self._abort_reason = ""
         self._flush_at_finish = True  # as the update in progress asked at its pause
         self._watch: threading.Thread | None = None
+        self._presence: Presence | None = None  # keeps the table published while rendezvous stores come and go
         self._server: ControlServer | None = None
         self.held = HeldWeights(self.params, version)
         self._at_exit = CloseAtExit(self)
@@ -182,6 +184,8 @@ class EngineEndpoint:
             raise
         self._watch = threading.Thread(target=self._watch_lease, name=f"p2psync-lease-{self.engine_id}", daemon=True)
         self._watch.start()
+        self._presence = Presence(self.rendezvous, lambda: self.table)
+        self._presence.start()
         return self.table
 
     def _exposed(self) -> list[torch.Tensor]:
@@ -237,6 +241,9 @@ class EngineEndpoint:
         """Withdraw the table (unless a successor replaced it), stop serving control calls,
         unregister the memory (at interpreter exit, if not called before)."""
         self._at_exit.cancel()
+        if self._presence is not None:
+            self._presence.stop()
+            self._presence = None
         if self.table is not None:
             try:
                 self.rendezvous.unpublish(self.table)

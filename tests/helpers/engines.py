@@ -104,7 +104,7 @@ def engine_process(
     configure(f"{engine_id} rank 0")
     torch.set_num_threads(1)
     model = small_model(seed, width).to(getattr(torch, dtype))
-    rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id=job_id)
+    rendezvous = Rendezvous(host="127.0.0.1", port=port, job_id=job_id, patient=True)  # engines outlive trainers
     params = dict(model.named_parameters())
 
     def raw(name: str) -> torch.Tensor:
