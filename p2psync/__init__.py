@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from .core.pause import PAUSE_MODES, PauseMode
     from .core.plugins import Registry, registry
     from .core.rendezvous import Rendezvous
-    from .core.report import EngineReport, UpdateReport
+    from .core.report import ConnectReport, EngineReport, UpdateReport
     from .core.source import LocalShard, TrainerSource
     from .core.transport import Peer, Transport, WriteBatch
     from .core.types import ParamSpec, Region, SenderGroup, TargetId, TargetParam, TargetTable
@@ -53,7 +53,7 @@ _EXPORTS = {
     **dict.fromkeys(["SessionOptions", "DeltaOptions"], "p2psync.trainer.options"),
     **dict.fromkeys(["SessionStats"], "p2psync.trainer.stats"),
     **dict.fromkeys(["Rendezvous"], "p2psync.core.rendezvous"),
-    **dict.fromkeys(["UpdateReport", "EngineReport"], "p2psync.core.report"),
+    **dict.fromkeys(["ConnectReport", "UpdateReport", "EngineReport"], "p2psync.core.report"),
     **dict.fromkeys(
         [
             "P2PSyncError", "PluginError", "OptionsError", "ConnectError", "RendezvousError", "TransferError",

@@ -1,9 +1,23 @@
-"""What an update did, per engine."""
+"""What a connect and an update did, per engine."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+
+
+@dataclass
+class ConnectReport:
+    """The result of `Session.connect`: the engines connected, and why each other engine it
+    named was left out (its table not in the rendezvous, no answer at its address); a left-out
+    engine rejoins at a later connect once it answers."""
+
+    engines: list[str]
+    left_out: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.left_out
 
 
 @dataclass

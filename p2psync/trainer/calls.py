@@ -28,13 +28,17 @@ from .delta_send import Held
 log = logging.getLogger(__name__)
 
 
-def check_access(controls: Mapping[str, EngineControl]) -> None:
-    """Reach every engine once with the job's credentials (connect, world rank 0)."""
-    for control in controls.values():
-        try:
-            control.check_access()
-        except ControlError as exc:
-            raise ConnectError(str(exc)) from exc
+def silence(control: EngineControl) -> str | None:
+    """Reach an engine once with the job's credentials (connect, world rank 0): None, or why it
+    is left out (no answer, or another process answering at its address). An engine that
+    refuses the credentials fails the connect (ConnectError): that is the trainer's to fix."""
+    try:
+        control.check_access()
+    except EngineUnreachable as exc:
+        return f"it does not answer (killed, stopped or cut off): {exc}"
+    except ControlError as exc:
+        raise ConnectError(str(exc)) from exc
+    return None
 
 
 def pause_modes(controls: Mapping[str, EngineControl], asked: PauseMode | None) -> dict[str, PauseMode]:

@@ -1,18 +1,20 @@
 """Building a connection for a session: read the engines' tables, build (or reuse) their
-layouts, compile what this rank sends, and open the buffers, peers, writers and control
-clients. Everything here may fail on one rank only; `Session.connect` runs it between
-the collectives that make every rank agree on the outcome. `prepare` holds collectives of
-its own (the HF tensors of every rank, the layouts' shared compile): what precedes each
+layouts, leave out (naming why) each engine that is not there to serve, compile what this
+rank sends, and open the buffers, peers, writers and control clients. Everything here may
+fail on one rank only; `Session.connect` runs it between the collectives that make every
+rank agree on the outcome. `prepare` holds collectives of its own (the HF tensors of every
+rank, the layouts' shared compile, world rank 0's word on who answers): what precedes each
 fails on every rank alike or not at all, and the layouts' exchange carries any rank's
 compile error to every rank."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 from ..core.engine import EngineControl
-from ..core.errors import ConnectError, P2PSyncError, where
+from ..core.errors import ConnectError, P2PSyncError, RendezvousError, where
 from ..core.host import HOST_ENV, host_of, is_host_local, node_id
 from ..core.plugins import Registry
 from ..core.rendezvous import Rendezvous
@@ -21,7 +23,7 @@ from ..core.transport import Transport
 from ..core.types import ParamSpec, TargetTable
 from . import collectives
 from .buffers import BufferPool
-from .calls import check_access, pause_modes, refuse_unchecked
+from .calls import pause_modes, refuse_unchecked, silence
 from .compiler import HeldRanges, SenderView, compile_connection
 from .connection import Connection
 from .layouts import LayoutCache
@@ -52,11 +54,22 @@ class Connector:
         self.group = source.sender_group()
         self.layouts = LayoutCache(registry, options.engine_options, options.layout_cache_dir)
 
-    def read_tables(self, engines: Sequence[str]) -> dict[str, list[TargetTable]] | str:
-        try:
-            return {engine: self.rendezvous.read_engine(engine) for engine in engines}
-        except P2PSyncError as exc:
-            return str(exc)
+    def read_tables(self, engines: Sequence[str]) -> tuple[dict[str, list[TargetTable]], dict[str, str]]:
+        """World rank 0: the tables of `engines`, and why each engine whose tables could not be
+        read is left out (the rendezvous's timeout is shared by all: several engines gone do
+        not add up their waits)."""
+        tables: dict[str, list[TargetTable]] = {}
+        unread: dict[str, str] = {}
+        wait = self.rendezvous.timeout
+        for engine in engines:
+            started = time.monotonic()
+            try:
+                tables[engine] = self.rendezvous.read_engine(engine, wait)
+            except RendezvousError as exc:
+                unread[engine] = f"its table could not be read from the rendezvous: {exc}"
+            finally:
+                wait = max(0.0, wait - (time.monotonic() - started))
+        return tables, unread
 
     def local_ranges(self) -> HeldRanges:
         """The flat element ranges of each HF tensor this rank holds for gather-free sends
@@ -70,10 +83,13 @@ class Connector:
             return {}
         return {name: shard.ranges for name, shard in shards.items()}
 
-    def prepare(self, conn: Connection, current: Connection | None, held: Sequence[HeldRanges]) -> None:
-        """Check `conn`'s tables, build their layouts, compile, and open its resources,
-        reusing what `current` (the session's connection) has. `held`: every world rank's
-        `local_ranges`."""
+    def prepare(self, conn: Connection, current: Connection | None, held: Sequence[HeldRanges]) -> dict[str, str]:
+        """Check `conn`'s tables and build their layouts (a table the trainer cannot serve fails
+        the connect, whether or not its engine answers); then leave out the engines that do not
+        answer, the same on every rank (`silent`), and, unless that leaves none or
+        `strict_connect` refuses, compile and open the resources of the others, reusing what
+        `current` (the session's connection) has. `held`: every world rank's `local_ranges`.
+        Returns the engines left out, with why."""
         specs, mine = self._all_specs()
         tables = [t for engine_tables in conn.tables.values() for t in engine_tables]
         for table in tables:
@@ -81,6 +97,13 @@ class Connector:
         layouts = self.layouts.layouts(tables, specs)  # collective: every rank reaches it or none does
         conn.layout_counts = self.layouts.counts
         log.info("layouts of %d engine ranks: %s", len(layouts), conn.layout_counts)
+        silent = collectives.broadcast(self._silent(conn.tables) if self.rank == 0 else None)
+        if isinstance(silent, str):
+            raise ConnectError(silent)
+        for engine in silent:
+            del conn.tables[engine]
+        if not conn.tables or (silent and self.options.strict_connect):
+            return silent
         sender = SenderView(
             self.rank, tuple(self.group.ranks), mine, self.options.bucket_bytes, self.source.bucket_kind
         )
@@ -105,8 +128,24 @@ class Connector:
         conn.pause_modes = pause_modes(conn.controls, self.options.pause_mode)
         if self.options.check:
             refuse_unchecked(conn.controls)
-        if self.rank == 0:
-            check_access(conn.controls)
+        return silent
+
+    def _silent(self, tables: dict[str, list[TargetTable]]) -> dict[str, str] | str:
+        """World rank 0: why each engine that does not answer at its control address is left
+        out; or why the connect fails (an engine refused the job's credentials)."""
+        silent = {}
+        try:
+            for engine, engine_tables in tables.items():
+                control = self._control_for(engine_tables)
+                try:
+                    why = silence(control)
+                finally:
+                    control.close()
+                if why is not None:
+                    silent[engine] = why
+        except Exception as exc:  # noqa: BLE001 - every rank waits for this word in the broadcast
+            return str(exc) if isinstance(exc, P2PSyncError) else f"{type(exc).__name__}: {exc}"
+        return silent
 
     def _new_pool(self, nbytes: int) -> BufferPool:
         return BufferPool(nbytes, self.transport, device=self.options.buffer_device, pin_memory=self.options.pin_memory)

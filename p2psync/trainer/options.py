@@ -70,6 +70,9 @@ class SessionOptions:
     default) takes each engine's first mode that aborts nothing. `flush_cache` (default on)
     has each engine drop what its old weights computed (prefix and KV caches) when an update
     finishes; off, requests after the update may reuse prefixes the old weights computed.
+    `strict_connect` (default off) fails a connect where any engine it names is not there to
+    serve (no table in the rendezvous, no answer); off, those are left out by name and the
+    others connect.
     """
 
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -86,6 +89,7 @@ class SessionOptions:
     layout_cache_dir: str | None = field(default_factory=lambda: os.environ.get("P2PSYNC_CACHE_DIR") or None)
     pause: PauseMode | Literal["keep"] | None = None
     flush_cache: bool = True
+    strict_connect: bool = False
 
     def __post_init__(self) -> None:
         if self.gather not in GATHER_MODES:

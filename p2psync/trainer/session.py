@@ -18,7 +18,7 @@ from ..core.exits import CloseAtExit
 from ..core.pause import PauseMode, pause_mode
 from ..core.plugins import Registry, registry as default_registry
 from ..core.rendezvous import Rendezvous
-from ..core.report import UpdateReport
+from ..core.report import ConnectReport, UpdateReport
 from ..core.source import TrainerSource
 from ..core.transport import Transport
 from ..core.types import TargetTable
@@ -109,40 +109,62 @@ class Session:
         """This rank's connection and last update, in one snapshot."""
         return snapshot(self._conn, self._mode, self._last.clock if self._last else None)
 
-    def connect(self, engines: Sequence[str]) -> None:
+    def connect(self, engines: Sequence[str]) -> ConnectReport:
         """Read the engines' target tables, build layouts and the plan, open transport peers.
 
-        Collective over the trainer world. Raises ConnectError on every rank, naming
-        engine, rank and parameter, for anything that cannot be served; nothing is
-        written then, and the session stays as it was (still connected as before, or
-        not at all). Layouts and peers of engines that did not change are reused.
-        A call while another thread's connect or update runs raises ConcurrentCallError.
+        Collective over the trainer world. An engine that is not there to serve (its table
+        not in the rendezvous within its timeout, no answer at its address: dead, stopped,
+        restarting) is left out on every rank alike, named in the report and in a warning,
+        and the others connect; it rejoins at a later connect once it answers
+        (`strict_connect` fails the connect instead, as does leaving out every engine).
+        Raises ConnectError on every rank, naming engine, rank and parameter, for anything
+        that cannot be served; nothing is written then, and the session stays as it was
+        (still connected as before, or not at all). Layouts and peers of engines that did
+        not change are reused. A call while another thread's connect or update runs raises
+        ConcurrentCallError.
         """
         with self._calls.call("connect"):
-            self._connect(engines)
+            return self._connect(engines)
 
-    def _connect(self, engines: Sequence[str]) -> None:
+    def _connect(self, engines: Sequence[str]) -> ConnectReport:
         named_twice = sorted({e for e in engines if list(engines).count(e) > 1})
         if named_twice:
             raise ConnectError(f"engine {named_twice[0]!r} is named twice in connect({list(engines)!r})")
-        read = (self._connector.read_tables(engines), self._id) if self.rank == 0 else None  # the tables, or why not
-        tables, self._id = collectives.broadcast(read)
-        if isinstance(tables, str):
-            raise ConnectError(tables)
+        read = (self._connector.read_tables(engines), self._id) if self.rank == 0 else None
+        (tables, left_out), self._id = collectives.broadcast(read)
+        self._refuse_absent(left_out, tables)
         candidate = Connection(tables)
         held = self._on_every_rank(candidate, self._connector.local_ranges)
-        self._on_every_rank(candidate, lambda: self._connector.prepare(candidate, self._conn, held))
+        silent = self._on_every_rank(candidate, lambda: self._connector.prepare(candidate, self._conn, held))[0]
+        left_out.update(silent)
+        if silent:
+            try:
+                self._refuse_absent(left_out, candidate.tables)
+            except ConnectError:
+                candidate.close_unless_in(self._conn)
+                raise
         if self._conn is not None:
             self._conn.close_unless_in(candidate)
         self._conn = candidate
         assert candidate.compiled is not None
         compiled = candidate.compiled
-        self._mode.connect(tables, compiled.served, compiled.patch_share, candidate.patch_pool)
+        self._mode.connect(candidate.tables, compiled.served, compiled.patch_share, candidate.patch_pool)
         log.info(
             "connected to %d engines (%d targets); serving %d of them from %d buckets",
-            len(tables), sum(len(t) for t in tables.values()),
+            len(candidate.tables), sum(len(t) for t in candidate.tables.values()),
             len(candidate.compiled.plan.targets_of(self.rank)), len(candidate.compiled.buckets),
         )
+        if self.rank == 0:
+            for engine, why in left_out.items():
+                log.warning("engine %s left out of this connect: %s; a later connect takes it in once it answers",
+                            engine, why)
+        return ConnectReport(sorted(candidate.tables), left_out)
+
+    def _refuse_absent(self, left_out: Mapping[str, str], remaining: Mapping[str, object]) -> None:
+        """ConnectError naming the engines `left_out` where `strict_connect` refuses any, or
+        where none `remaining` is there to serve."""
+        if left_out and (self.options.strict_connect or not remaining):
+            raise ConnectError("; ".join(f"engine {e!r} is not there to serve: {why}" for e, why in left_out.items()))
 
     def _on_every_rank(self, candidate: Connection, step: Callable[[], T]) -> list[T]:
         """Every rank's `step()`, in rank order; where it raised on any rank, ConnectError on

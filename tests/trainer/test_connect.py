@@ -1,9 +1,11 @@
-"""Connect: engines that come and go, bad input refused with a clear error before
-anything is written, and only the job's trainer admitted."""
+"""Connect: engines that come and go (a dead one left out by name, the others connected),
+bad input refused with a clear error before anything is written, and only the job's trainer
+admitted."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 
@@ -11,7 +13,7 @@ pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is n
 
 import torch  # noqa: E402
 from tests.helpers.doubles import CountingTransport  # noqa: E402
-from tests.helpers.engines import RecordingTransport, small_model  # noqa: E402
+from tests.helpers.engines import RecordingTransport, small_model, wait_for  # noqa: E402
 
 from p2psync.adapters.fsdp2 import FSDP2Source  # noqa: E402
 from p2psync.adapters.torch import serve  # noqa: E402
@@ -63,6 +65,48 @@ def test_engines_join_leave_and_restart_without_rebuilding_the_others(monkeypatc
         assert (built[2:], transport.opened[3:]) == ([], ["a"])
         assert session.stats().layouts == LayoutCounts(memory=2), "the table read, a peer opened: nothing compiled"
         assert session.update("v4").ok
+
+
+def test_a_dead_engine_is_left_out_by_name_and_rejoins_once_it_answers(engine_group, caplog):
+    """Engine b is killed (its table stays in the rendezvous) while a restarts: the reconnect
+    leaves b out, naming it in its report and a warning, and a and c connect and update; a
+    shape that disagrees still fails the connect; b rejoins once it runs again. With
+    `strict_connect`, the dead engine fails the connect."""
+    for engine in ("a", "b", "c"):
+        engine_group.start(engine)
+    engine_group.start("wide", width=48)
+    model = small_model(0)
+    with session_for(engine_group.rendezvous, model) as session:
+        assert session.connect(["a", "b", "c"]).ok
+        assert session.update("v1").ok
+        engine_group.kill("b")
+        engine_group.stop("a")
+        engine_group.start("a", seed=7)
+        with caplog.at_level(logging.WARNING, logger="p2psync.trainer.session"):
+            connected = session.connect(["a", "b", "c"])
+        assert (connected.engines, list(connected.left_out)) == (["a", "c"], ["b"])
+        assert connected.left_out["b"].startswith("it does not answer (killed, stopped or cut off): engine 'b' rank 0")
+        assert [r.getMessage()[:36] for r in caplog.records] == ["engine b left out of this connect: i"]
+        report = session.update("v2")
+        assert report.ok and sorted(report.engines) == ["a", "c"], report.format()
+        table = engine_group.rendezvous.read_engine("a")[0]
+        held = post(table.control_url, "state", token=session.token, timeout=5)
+        assert held == {n: p.detach().reshape(-1).view(torch.uint8).numpy().tobytes().hex()
+                        for n, p in model.state_dict().items()}  # torch's own bytes of the trainer's weights
+
+        with pytest.raises(ConnectError, match="engine 'wide' rank 0 parameter '1.weight'"):
+            session.connect(["a", "b", "wide"])  # the trainer's to fix: never left out
+
+        dead = engine_group.rendezvous.read_engine("b")[0].incarnation
+        engine_group.start("b")
+        wait_for(lambda: engine_group.rendezvous.read_engine("b")[0].incarnation > dead, 60, "b's new table")
+        assert session.connect(["a", "b", "c"]).ok
+        assert sorted(session.update("v3").engines) == ["a", "b", "c"]
+
+    engine_group.kill("b")
+    with session_for(engine_group.rendezvous, strict_connect=True) as strict:
+        with pytest.raises(ConnectError, match="engine 'b' is not there to serve: it does not answer"):
+            strict.connect(["a", "b", "c"])
 
 
 def test_shape_mismatch_is_refused_at_connect_and_nothing_is_written(engine_group):
