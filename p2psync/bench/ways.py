@@ -47,7 +47,8 @@ Progress = Callable[[], object]
 def version_label(n: int) -> str:
     """The label of every way's `n`-th update: the ways of a round write the same weights, so
     they name them alike (an engine's label says which weights it holds, whichever way wrote
-    them: what a delta session checks before it patches)."""
+    them: what a delta session checks before it patches). Each p2p way after the first goes
+    back to them as a rollback, which an engine serves only with the weights the label named."""
     return f"update-{n}"
 
 class Way(ABC):
@@ -107,7 +108,7 @@ class P2PWay(Way):
         _barrier()
         checking, self.session.check = self.session.check, check or self.session.check
         try:
-            report = self.session.update(version_label(len(self.reports) + 1), progress=step)
+            report = self.session.update(version_label(len(self.reports) + 1), progress=step, rollback=True)
         finally:
             self.session.check = checking
         if not report.ok:

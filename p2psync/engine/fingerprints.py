@@ -95,16 +95,15 @@ class HeldWeights:
         self.settle()
         self._written = None
         self._reference, self._version = None, version
-        self._thread = threading.Thread(
-            target=self._fingerprint, args=(version,), name="p2psync-fingerprints", daemon=True
-        )
-        self._thread.start()
+        thread = threading.Thread(target=self._fingerprint, args=(version,), name="p2psync-fingerprints", daemon=True)
+        thread.start()
+        self._thread = thread  # started before the routes' threads can see it
 
     def settle(self) -> None:
         """Wait for the fingerprints of the last update (before anything may write)."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        thread = self._thread
+        if thread is not None:
+            thread.join()
 
     def altered(self) -> str | None:
         """Why this rank may not hold what the last update left, or None."""

@@ -296,6 +296,12 @@ def delta_memory(session: Session) -> DeltaMemory:
     return DeltaMemory(stats.baseline_bytes, stats.patch_buffer_bytes, sum(stats.gather_free_bytes), params)
 
 
+def version_label(kind: str, transport: str, update: int) -> str:
+    """The label of a run's `update`-th update: each run's its own, since the world's engines
+    refuse a label an earlier run served (for other weights)."""
+    return f"{kind}-{transport}-{update}"
+
+
 def trainer_main(rank: int, opts: WorldOptions, port: int, results: Any, kind: str) -> None:
     """A rank of the `kind` trainer world: each of its runs in turn; rank 0 reports each run."""
     import torch.distributed as dist
@@ -311,7 +317,7 @@ def trainer_main(rank: int, opts: WorldOptions, port: int, results: Any, kind: s
         reports, generations = [], []
         for i in range(opts.updates):
             trainer.step()
-            reports.append(connection.update(f"{transport}-{i + 1}"))
+            reports.append(connection.update(version_label(kind, transport, i + 1)))
             if opts.generate:
                 expected = trainer.greedy()
                 if rank == 0:

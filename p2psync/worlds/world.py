@@ -20,7 +20,7 @@ from ..core.layout import ALIGN
 from .engines import dump_path, engine_ids, engine_main
 from .launch import launch_worlds
 from .options import RunResult, WorldOptions, split_kind
-from .trainers import trainer_main
+from .trainers import trainer_main, version_label
 
 if TYPE_CHECKING:
     import torch
@@ -134,8 +134,9 @@ class World:
     def pairs(self, result: RunResult) -> Pairs:
         dumps = held(self.opts, Path(result.folder))
         if self.opts.engine == "vllm":
+            last = version_label(result.kind, result.transport, self.opts.updates)
             for calls in (d["calls"] for d in dumps.values()):
-                check_vllm_calls(calls, self.opts.updates, f"{result.transport}-{self.opts.updates}")
+                check_vllm_calls(calls, self.opts.updates, last)
         return pair_up(expected_bytes(self.opts, Path(result.folder)), dumps)
 
 

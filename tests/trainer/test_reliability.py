@@ -587,11 +587,12 @@ def test_the_next_update_takes_over_the_weight_update_session_an_abandoned_one_l
 
 def ending_rank(rank: int, port: int, job_id: str, case: str, world: str) -> None:
     """Trainer rank of a 2-rank FSDP2 world that meets `case`, then ends as a user's script
-    does: `close()` and a plain return (or, "no-close", interpreter exit with the session open)."""
+    does: `close()` and a plain return (or, "no-close", interpreter exit with the session open).
+    Each `world` labels its updates apart: the engine refuses a label an earlier world used."""
     rendezvous, model = fsdp2_rank(rank, port, job_id, world)
     session = session_for(rendezvous, model, bucket_bytes=1, update_lease=4.0)
     session.connect(["a"])
-    assert session.update("v1").ok
+    assert session.update(f"{world}-v1").ok
 
     def fail(done: int, total: int) -> None:
         if rank == 1 and done == 1:
@@ -603,9 +604,9 @@ def ending_rank(rank: int, port: int, job_id: str, case: str, world: str) -> Non
         if case == "refused-connect":
             session.connect(["a", "narrow"])
         elif case in ("failed-update", "lost-peer"):
-            session.update("v2", progress=fail)
+            session.update(f"{world}-v2", progress=fail)
         else:
-            assert session.update("v2").ok
+            assert session.update(f"{world}-v2").ok
     except P2PSyncError as exc:
         print(f"rank {rank}: {type(exc).__name__}", flush=True)
     if case != "no-close":
