@@ -85,15 +85,18 @@ class UpdateCalls:
         self.flush_cache = flush_cache
         self._renewed = time.monotonic()
 
-    def pause_all(self) -> tuple[dict[str, str], list[TargetTable]]:
-        """Pause every engine; the ones that refused, with why, and the tables of the ranks
-        whose transport moved (see `EngineControl.pause`)."""
+    def pause_all(self, gone: Callable[[str], str | None]) -> tuple[dict[str, str], list[TargetTable]]:
+        """Pause every engine; the ones that refused or did not answer, with why (`gone(engine)`:
+        what became of one that did not answer, where known), and the tables of the ranks whose
+        transport moved (see `EngineControl.pause`)."""
         failed: dict[str, str] = {}
         moved: list[TargetTable] = []
         for engine, control in self.controls.items():
             try:
                 paused = control.pause(self.version, self.lease, self.modes[engine], flush_cache=self.flush_cache)
                 moved.extend(paused or ())
+            except EngineUnreachable as exc:
+                failed[engine] = f"pause failed: {gone(engine) or f'no answer (killed, stopped or cut off): {exc}'}"
             except ControlError as exc:
                 failed[engine] = f"pause failed: {exc}"
         self._renewed = time.monotonic()

@@ -66,7 +66,8 @@ class Connector:
             try:
                 tables[engine] = self.rendezvous.read_engine(engine, wait)
             except RendezvousError as exc:
-                unread[engine] = f"its table could not be read from the rendezvous: {exc}"
+                unread[engine] = (f"its table could not be read from the rendezvous (withdrawn as it shut down or its "
+                                  f"LoRA slot was unloaded, or not published yet): {exc}")
             finally:
                 wait = max(0.0, wait - (time.monotonic() - started))
         return tables, unread

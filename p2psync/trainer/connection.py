@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..core.engine import EngineControl
+from ..core.errors import RendezvousError
 from ..core.pause import PauseMode
+from ..core.rendezvous import Rendezvous
 from ..core.transport import Peer, Transport
 from ..core.types import TargetId, TargetTable
 from .buffers import BufferPool
@@ -57,6 +59,18 @@ class Connection:
             old[1].close()
             log.info("engine %s rank %d moved its transport to %s; writing there through a new peer",
                      table.engine_id, table.rank, table.transport_info)
+
+    def gone(self, engine: str, rendezvous: Rendezvous) -> str | None:
+        """What became of `engine`, which did not answer, as the rendezvous says, and what to do:
+        its table withdrawn (it shut down, or its LoRA slot was unloaded), or published by
+        another process (it restarted); None where its table is still the one connected."""
+        try:
+            tables = rendezvous.read_engine(engine, timeout=0)
+        except RendezvousError:
+            return "its table was withdrawn (it shut down, or its LoRA slot was unloaded); connect again without it"
+        if [t.instance for t in tables] != [t.instance for t in self.tables[engine]]:
+            return "it restarted (another process published its table); connect again to update it"
+        return None
 
     def unstick_writers(self) -> None:
         """Before an update: an engine whose writer is still inside a write of an earlier,

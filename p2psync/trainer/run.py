@@ -23,6 +23,7 @@ from ..core.digest import byte_view, digest
 from ..core.errors import ControlError, where
 from ..core.layout import aligned
 from ..core.pause import PauseMode
+from ..core.rendezvous import Rendezvous
 from ..core.report import EngineReport, PhaseClock, UpdateReport
 from ..core.source import TrainerSource
 from ..core.transport import WriteBatch
@@ -68,6 +69,10 @@ class Steps:
         if self.progress is not None:
             self.progress(self.count, self.total)
 
+    def next(self, what: str) -> str:
+        """The step about to run, named as `progress` will count it, and `what` it does."""
+        return f"step {self.count + 1} of {self.total} ({what})"
+
 
 @dataclass
 class Produced:
@@ -93,12 +98,12 @@ class UpdateRun:
 
     def __init__(
         self, conn: Connection, source: TrainerSource, mode: UpdateMode, settings: RunSettings, version: str,
-        failures: RankFailures, pause_modes: Mapping[str, PauseMode],
+        failures: RankFailures, pause_modes: Mapping[str, PauseMode], rendezvous: Rendezvous,
     ) -> None:
         assert conn.compiled is not None and conn.pool is not None
         self.conn, self.compiled, self.pool = conn, conn.compiled, conn.pool
         self.source, self.mode, self.settings, self.version = source, mode, settings, version
-        self.failures = failures
+        self.failures, self.rendezvous = failures, rendezvous
         self.clock = PhaseClock()
         self.calls = UpdateCalls(
             conn.controls, version, settings.lease, modes=pause_modes, flush_cache=settings.flush_cache
@@ -167,7 +172,7 @@ class UpdateRun:
         """Pause every engine; in delta mode, ask the paused ones what they hold (a rank that
         holds another version than the baseline's, or changed since, gets its full bytes).
         Also the tables of the ranks whose transport moved."""
-        failed, moved = self.calls.pause_all()
+        failed, moved = self.calls.pause_all(lambda engine: self.conn.gone(engine, self.rendezvous))
         if not self.mode.proves_baselines:
             return failed, {}, moved
         self.clock.lap("pause")
@@ -198,7 +203,7 @@ class UpdateRun:
             return out
         for writes, packings in self.compiled.packed:
             send = functools.partial(self._send_packed, writes, packings, steps, out)
-            self.failures.run(f"gather-free unit {writes.unit}", send)
+            self.failures.run(steps.next(f"gather-free parts for {_targets(writes)}"), send)
         self.clock.lap("produce")
         return out
 
@@ -224,7 +229,8 @@ class UpdateRun:
         try:
             for i, tensors in ahead:  # every bucket is gathered, even after a failure: the others gather too
                 self.clock.lap("gather")  # waiting for this bucket's gathers, once production is ahead of them
-                self.failures.run(f"bucket {i}", functools.partial(self._send_bucket, i, tensors, units, produced, steps))
+                send = functools.partial(self._send_bucket, i, tensors, units, produced, steps)
+                self.failures.run(steps.next(f"bucket {i + 1} of {len(buckets)}"), send)
                 del tensors
         finally:
             ahead.close()
@@ -273,7 +279,7 @@ class UpdateRun:
             self.mode.flush()
             self._submit_patches()
         except Exception as exc:  # a layout or buffer failure fails this unit's engines only
-            log.exception("producing bytes for %s failed", writes.unit)
+            log.exception("producing bytes for %s failed", _targets(writes))
             for table in writes.targets:
                 self.conn.writers[table.engine_id].fail(
                     f"{where(table.engine_id, table.rank)}: {type(exc).__name__}: {exc}"
@@ -371,6 +377,12 @@ class UpdateRun:
             gather_free_bytes=sum(free for _, _, (free, _) in per_rank),
             gathered_bytes=sum(gathered for _, _, (_, gathered) in per_rank),
         )
+
+
+def _targets(writes: UnitWrites) -> str:
+    """The engine ranks a unit's bytes go to, in words (not the unit's layout key)."""
+    named = [where(t.engine_id, t.rank) for t in writes.targets]
+    return ", ".join(named[:3]) + (f" and {len(named) - 3} more" if len(named) > 3 else "")
 
 
 def _fill_packed(packing: Packing, source: TrainerSource, out: torch.Tensor) -> list[Region]:

@@ -240,7 +240,7 @@ class Session:
             self.rendezvous if collectives.world_size() > 1 else None, self.rank,
             f"trainer/session/{self._id}/update/{self._updates}/failed",
         )
-        self._last = UpdateRun(conn, self.source, self._mode, settings, version, failures, modes)
+        self._last = UpdateRun(conn, self.source, self._mode, settings, version, failures, modes, self.rendezvous)
         with self._heartbeat:
             try:
                 return self._last.run(progress, full)

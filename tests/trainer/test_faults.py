@@ -178,6 +178,23 @@ def test_a_finish_that_got_no_answer_leaves_no_engine_serving_what_the_report_ca
         assert report.engines["b"].error.startswith("finish got no answer: engine 'b' rank 0: finish at ")
 
 
+def test_an_engine_that_withdrew_its_table_is_named_withdrawn_with_what_to_do(engine_group):
+    """Engine b shuts down cleanly after the connect, as an unloaded LoRA slot does (its table
+    withdrawn, its endpoint closed): the update says so and what to do, not "Connection refused"."""
+    engine_group.start("a")
+    engine_group.start("b")
+    with session_for(engine_group, small_model(0)) as session:
+        session.connect(["a", "b"])
+        engine_group.stop("b")
+        report = session.update("v1")
+        assert report.stale == ["b"], report.format()
+        assert report.engines["b"].error == (
+            "pause failed: its table was withdrawn (it shut down, or its LoRA slot was unloaded); connect again "
+            "without it"
+        )
+        assert serving(session, "a") == ("v1", True)
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096

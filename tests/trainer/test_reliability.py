@@ -262,16 +262,17 @@ def test_a_trainer_failing_mid_update_raises_a_p2psync_error_and_the_engine_goes
                 if done == 2:
                     raise RuntimeError("the trainer crashed")
 
-            with pytest.raises(UpdateError) as error:
+            with pytest.raises(UpdateError) as error:  # named as `progress` counts: crashed at done == 2
                 session.update("v2", progress=crash)
-            assert str(error.value) == "update 'v2' failed on trainer rank 0: RuntimeError in bucket 1: the trainer crashed"
+            crashed = "RuntimeError in step 2 of 6 (bucket 2 of 6): the trainer crashed"
+            assert str(error.value) == f"update 'v2' failed on trainer rank 0: {crashed}"
             assert isinstance(error.value, TrainerRankFailed)
-            assert error.value.failures == {0: "RuntimeError in bucket 1: the trainer crashed"}
+            assert error.value.failures == {0: crashed}
             with pytest.raises(UpdateError, match="this session is unusable after update 'v2' failed; close it"):
                 session.update("v3")
         reason = wait_for(lambda: status(group.rendezvous, "a")["stale"], 10, "the stale mark")
         assert reason.startswith("update 'v2' given up by the trainer (was serving 'v1'): update 'v2' failed on "
-                                 "trainer rank 0: RuntimeError in bucket 1: the trainer crashed"), reason
+                                 f"trainer rank 0: {crashed}"), reason
         with session_for(group.rendezvous) as session:  # the next trainer
             session.connect(["a"])
             assert session.update("v3").ok
@@ -431,8 +432,8 @@ def test_a_rank_whose_own_code_raised_is_named_on_every_rank_at_once(gather):
             assert list(failures) == [1] and failures[1].endswith(": the caller's progress raised"), failures
             assert seconds < 10, (rank, seconds)
         assert got[0][2] == got[1][2]
-        step = "bucket 0:" if gather == "always" else "gather-free unit "
-        assert got[0][2][1].startswith(f"RuntimeError in {step}"), got[0][2]
+        step = "(bucket 1 of " if gather == "always" else "(gather-free parts for engine 'a' rank 0)"
+        assert got[0][2][1].startswith("RuntimeError in step 1 of ") and step in got[0][2][1], got[0][2]
         reason = wait_for(lambda: status(group.rendezvous, "a")["stale"], 15, "the stale mark")
         assert reason.startswith("update 'v2' given up by the trainer (was serving 'v1'): update 'v2' failed on "
                                  "trainer rank 1: RuntimeError in "), reason
