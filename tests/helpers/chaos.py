@@ -6,7 +6,9 @@ saved state when a rank is killed) take an AdamW step and update two bf16 torch 
 off, gather-free ("auto") or gathering. Faults drawn per step: an engine SIGKILLed (restarted
 a few steps later), a trainer rank SIGKILLed mid-update, an engine's weights changed in place
 behind the trainer's back, a second `update` from another thread mid-update, an engine
-stopped (SIGSTOP) mid-update and continued once the update gave up on it. In a cluster in a
+stopped (SIGSTOP) mid-update and continued once the update gave up on it, an engine stopped
+as its finish is called (its writes landed) and continued after the report, a reconnect
+while an engine is dead. Every connect names every engine: the dead ones are left out. In a
 box (`box`: the trainer ranks and the driver on node 0, each engine on a node of its own)
 two network faults join them: an engine node's link pulled mid-update (mended after the
 step) and an engine node's link losing 1 packet in 16 for a step. After every step an oracle
@@ -14,8 +16,8 @@ that does not call p2psync's sending code reads every live engine: torch's own f
 dict of the trainer, cast to bf16 by torch, of the version the engine says it serves.
 
 The invariant: no engine ever serves bytes that are not exactly one acknowledged version's,
-and every engine the report calls ok serves this step's version. A failure names the seed
-and step.
+every engine the report calls ok serves this step's version, and one it calls stale does not
+(once the calls it missed while stopped have landed). A failure names the seed and step.
 """
 
 from __future__ import annotations
@@ -43,7 +45,10 @@ DTYPE = "bfloat16"
 TIMEOUT = 2.0  # transfer timeout: a stopped or cut-off engine is given up on after it
 SESSIONS = [(delta, gather) for delta in (True, False) for gather in ("auto", "always")]
 #: Per step, the chance of each fault.
-FAULTS = {"kill_engine": 0.05, "kill_trainer": 0.03, "poke": 0.08, "concurrent": 0.05, "stall": 0.03}
+FAULTS = {"kill_engine": 0.05, "kill_trainer": 0.03, "poke": 0.08, "concurrent": 0.05, "stall": 0.03,
+          "late_finish": 0.04}
+#: The chance of a reconnect at a step while an engine is dead.
+RECONNECT = 0.3
 #: Per step, the chance of each network fault (in a box only).
 NETWORK_FAULTS = {"cut": 0.05, "lossy": 0.08}
 #: The share of packets a lossy link drops (percent).
@@ -81,6 +86,7 @@ def chaos_rank(rank: int, port: int, job_id: str, world: str, state: str, pipe: 
     from p2psync.adapters.fsdp2 import FSDP2Source
     from p2psync.core.errors import P2PSyncError
     from p2psync.core.logs import configure
+    from p2psync.engine.client import EndpointControl
     from p2psync.trainer.session import Session
 
     configure(f"trainer {rank}")
@@ -103,11 +109,10 @@ def chaos_rank(rank: int, port: int, job_id: str, world: str, state: str, pipe: 
         if command == "quit":
             break
         if command == "connect":
-            for session in sessions.values():
-                session.connect(args[0])
-            pipe.send(("connected",))
+            left_out = {tuple(sorted(session.connect(args[0]).left_out)) for session in sessions.values()}
+            pipe.send(("connected", *left_out))
             continue
-        step, key, victim, concurrent, stall, cut = args
+        step, key, victim, concurrent, stall, cut, late = args
         train_step(model, optimizer, step)
         full = full_weights(model)
         oracle = as_engine_bytes(full) if rank == 0 else None
@@ -133,12 +138,24 @@ def chaos_rank(rank: int, port: int, job_id: str, world: str, state: str, pipe: 
                 thread.start()
                 thread.join()
 
+        finish = EndpointControl.finish
+        stopped: list[str] = []
+
+        def stop_first(control: EndpointControl, version: str) -> None:  # world rank 0 finishes the engines
+            if late is not None and control.tables[0].engine_id == late[0]:
+                os.kill(late[1], signal.SIGSTOP)
+                stopped.append(late[0])
+            finish(control, version)
+
+        EndpointControl.finish = stop_first  # type: ignore[method-assign]
         try:
             report = session.update(f"v{step}", progress=progress)
             outcome = {e: (r.ok, r.error) for e, r in report.engines.items()}
-            pipe.send(("updated", outcome, report.degraded, oracle, second))
+            pipe.send(("updated", outcome, report.degraded, oracle, second, stopped))
         except P2PSyncError as exc:
             pipe.send(("failed", f"{type(exc).__name__}: {exc}", oracle, second))
+        finally:
+            EndpointControl.finish = finish  # type: ignore[method-assign]
     for session in sessions.values():
         session.close()
     pipe.send(("closed",))
@@ -197,11 +214,16 @@ def start_engine(group: Any, engine: str) -> None:
              f"engine {engine}'s table")
 
 
+def _status(group: Any, engine: str) -> dict[str, Any]:
+    """What engine `engine` says of itself (its `info`)."""
+    return post(group.rendezvous.read_engine(engine)[0].control_url, "info", token=group.rendezvous.token(), timeout=10)
+
+
 def serving(group: Any, engine: str) -> tuple[str | None, dict[str, str] | None]:
     """The version engine `engine` serves and its bytes, as it says (None: not serving)."""
     url = group.rendezvous.read_engine(engine)[0].control_url
     token = group.rendezvous.token()
-    info = post(url, "info", token=token, timeout=10)
+    info = _status(group, engine)
     if not info["serving"]:
         return None, None
     try:
@@ -225,7 +247,7 @@ def run_chaos(tmp_path: Path, *, steps: int, seed: int, box: netbox.Box | None =
         alive, dead = set(ENGINES), {}  # dead: engine -> the step it restarts at
         worlds = 0
         world = World(group, worlds, tmp_path / "state.pt", box)
-        assert world.ask("connect", sorted(alive)) == [("connected",)] * 2
+        assert world.ask("connect", ENGINES) == [("connected", ())] * 2
         acknowledged: dict[str, dict[str, str]] = {}  # version -> the oracle's bytes of it
         for step in range(steps):
             where = f"seed {seed} step {step}"
@@ -234,12 +256,15 @@ def run_chaos(tmp_path: Path, *, steps: int, seed: int, box: netbox.Box | None =
                 start_engine(group, engine)
                 alive.add(engine)
                 del dead[engine]
-            if restarted:
-                assert world.ask("connect", sorted(alive)) == [("connected",)] * 2, where
+            reconnect = bool(dead) and rng.random() < RECONNECT
+            if restarted or reconnect:
+                tried["dead_at_connect"] += bool(dead)
+                left_out = ("connected", tuple(sorted(dead)))  # every engine named, the dead ones left out
+                assert world.ask("connect", ENGINES) == [left_out] * 2, where
             faults = {name for name, chance in faults_drawn.items() if rng.random() < chance}
             if len(alive) < 2:
-                faults -= {"kill_engine", "stall", "cut"}
-            stalled = cut = lossy = None
+                faults -= {"kill_engine", "stall", "cut", "late_finish"}
+            stalled = cut = lossy = late = None
             if "kill_engine" in faults:
                 engine = rng.choice(sorted(alive))
                 group.kill(engine)
@@ -257,6 +282,8 @@ def run_chaos(tmp_path: Path, *, steps: int, seed: int, box: netbox.Box | None =
                 stalled = rng.choice(sorted(alive))
             if "cut" in faults:
                 cut = rng.choice(sorted(alive - {stalled}))
+            if "late_finish" in faults and alive - {stalled, cut}:
+                late = rng.choice(sorted(alive - {stalled, cut}))
             if "lossy" in faults:
                 lossy = rng.choice(sorted(alive))
                 netbox.lose(box, engine_node(lossy), LOSS_PERCENT)
@@ -265,11 +292,13 @@ def run_chaos(tmp_path: Path, *, steps: int, seed: int, box: netbox.Box | None =
             tried.update(faults)
             tried[f"delta={key[0]}, gather={key[1]}"] += 1
             print(f"chaos {where}: session delta={key[0]} gather={key[1]}, faults {sorted(faults)}, "
-                  f"victim {victim}, stalled {stalled}, cut {cut}, lossy {lossy}, dead {dead}", flush=True)
+                  f"victim {victim}, stalled {stalled}, cut {cut}, lossy {lossy}, late {late}, dead {dead}", flush=True)
             answers = world.ask("step", step, key, victim, "concurrent" in faults,
-                                group.pid(stalled) if stalled else None, engine_node(cut) if cut else None)
-            if stalled is not None:
-                group.thaw(stalled)
+                                group.pid(stalled) if stalled else None, engine_node(cut) if cut else None,
+                                (late, group.pid(late)) if late else None)
+            for engine in (stalled, late):
+                if engine is not None:
+                    group.thaw(engine)
             if box is not None:
                 netbox.mend()
             if victim is not None:
@@ -279,13 +308,18 @@ def run_chaos(tmp_path: Path, *, steps: int, seed: int, box: netbox.Box | None =
                 world.end()
                 worlds += 1
                 world = World(group, worlds, tmp_path / "state.pt", box)
-                assert world.ask("connect", sorted(alive)) == [("connected",)] * 2, where
+                assert world.ask("connect", ENGINES) == [("connected", tuple(sorted(dead)))] * 2, where
             else:
                 assert all(a is not None and a[0] == "updated" for a in answers), (where, answers)
-                _, outcome, degraded, oracle, second = answers[0]
+                _, outcome, degraded, oracle, second, stopped = answers[0]
                 acknowledged[f"v{step}"] = oracle
                 if "concurrent" in faults:
                     assert second == ["ConcurrentCallError"], (where, second)
+                if stopped:  # stopped as its finish was called: stale, and once its calls landed, not serving
+                    tried["late_finish_stopped"] += 1
+                    assert not outcome[late][0], (where, late, "an engine stopped at its finish reported ok")
+                    wait_for(lambda: _status(group, late)["stale"], 4 * TIMEOUT, f"{where}: {late} giving v{step} up")
+                    assert not _status(group, late)["serving"], (where, late, "serves what the report calls stale")
                 for engine, (ok, error) in outcome.items():
                     if engine in dead or engine in (stalled, cut):
                         assert not ok, (where, engine, "a killed, stopped or cut-off engine reported ok")
