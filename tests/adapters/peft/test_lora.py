@@ -233,7 +233,12 @@ def test_a_slot_loaded_while_the_engine_serves_is_updated_then_unloaded_and_refu
             peft.set_peft_model_state_dict(reference, adapter_state(trainer, "default"), adapter_name="new")
             assert held_bytes(rendezvous, "new") == adapter_bytes(reference, "new")
             assert call(rendezvous, "new", "generate")["tokens"] == generate_with(reference, "new")
-        commands.put(("unload", "new"))
-        assert answers.get(timeout=60) == sorted(SLOTS)
+            commands.put(("unload", "new"))
+            assert answers.get(timeout=60) == sorted(SLOTS)
+            report = session.update("new-2")  # a trainer still connected is told what became of it
+            assert report.engines["lora/new"].error == (
+                "pause failed: its table was withdrawn (it shut down, or its LoRA slot was unloaded); connect "
+                "again without it"
+            ), report.format()
         with pytest.raises(RendezvousError, match="lora/new"):  # its table withdrawn: no trainer finds it
             rendezvous.read_engine("lora/new", timeout=2)
