@@ -98,9 +98,9 @@ class Connector:
         layouts = self.layouts.layouts(tables, specs)  # collective: every rank reaches it or none does
         conn.layout_counts = self.layouts.counts
         log.info("layouts of %d engine ranks: %s", len(layouts), conn.layout_counts)
-        silent = collectives.broadcast(self._silent(conn.tables) if self.rank == 0 else None)
-        if isinstance(silent, str):
-            raise ConnectError(silent)
+        silent, refused = collectives.broadcast(self._silent(conn.tables) if self.rank == 0 else None)
+        if refused is not None:  # every rank leaves out the same engines, or raises alike
+            raise ConnectError(refused)
         for engine in silent:
             del conn.tables[engine]
         if not conn.tables or (silent and self.options.strict_connect):
@@ -131,10 +131,10 @@ class Connector:
             refuse_unchecked(conn.controls)
         return silent
 
-    def _silent(self, tables: dict[str, list[TargetTable]]) -> dict[str, str] | str:
+    def _silent(self, tables: dict[str, list[TargetTable]]) -> tuple[dict[str, str], str | None]:
         """World rank 0: why each engine that does not answer at its control address is left
-        out; or why the connect fails (an engine refused the job's credentials)."""
-        silent = {}
+        out, and why the connect fails, if it does (an engine refused the job's credentials)."""
+        silent: dict[str, str] = {}
         try:
             for engine, engine_tables in tables.items():
                 control = self._control_for(engine_tables)
@@ -145,8 +145,8 @@ class Connector:
                 if why is not None:
                     silent[engine] = why
         except Exception as exc:  # noqa: BLE001 - every rank waits for this word in the broadcast
-            return str(exc) if isinstance(exc, P2PSyncError) else f"{type(exc).__name__}: {exc}"
-        return silent
+            return silent, str(exc) if isinstance(exc, P2PSyncError) else f"{type(exc).__name__}: {exc}"
+        return silent, None
 
     def _new_pool(self, nbytes: int) -> BufferPool:
         return BufferPool(nbytes, self.transport, device=self.options.buffer_device, pin_memory=self.options.pin_memory)

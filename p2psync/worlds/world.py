@@ -134,7 +134,7 @@ class World:
     def pairs(self, result: RunResult) -> Pairs:
         dumps = held(self.opts, Path(result.folder))
         if self.opts.engine == "vllm":
-            last = version_label(result.kind, result.transport, self.opts.updates)
+            last = version_label(result.trainer, result.transport, self.opts.updates)
             for calls in (d["calls"] for d in dumps.values()):
                 check_vllm_calls(calls, self.opts.updates, last)
         return pair_up(expected_bytes(self.opts, Path(result.folder)), dumps)

@@ -147,7 +147,7 @@ def chaos_rank(rank: int, port: int, job_id: str, world: str, state: str, pipe: 
                 stopped.append(late[0])
             finish(control, version)
 
-        EndpointControl.finish = stop_first  # type: ignore[method-assign]
+        EndpointControl.finish = stop_first
         try:
             report = session.update(f"v{step}", progress=progress)
             outcome = {e: (r.ok, r.error) for e, r in report.engines.items()}
@@ -155,7 +155,7 @@ def chaos_rank(rank: int, port: int, job_id: str, world: str, state: str, pipe: 
         except P2PSyncError as exc:
             pipe.send(("failed", f"{type(exc).__name__}: {exc}", oracle, second))
         finally:
-            EndpointControl.finish = finish  # type: ignore[method-assign]
+            EndpointControl.finish = finish
     for session in sessions.values():
         session.close()
     pipe.send(("closed",))
