@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.control import ControlServer, Refused
 from ..core.digest import byte_view, digest
 from ..core.host import local_host, node_id
+from ..core.identity import expand_engine_id
 from ..core.errors import P2PSyncError, where
 from ..core.exits import CloseAtExit
 from ..core.memory import device_of
@@ -55,9 +56,10 @@ log = logging.getLogger(__name__)
 class EngineEndpoint:
     """Exposes one engine rank's parameters to trainers.
 
-    `version` declares the version of the weights the engine loaded; without it the
-    engine holds weights of no known version and stays out of serving until its first
-    update lands. `incarnation` replaces a live predecessor of the same engine id and
+    `engine_id` may be a template filled in from the process's place in the job
+    (`rollout-{replica}`: see `core.identity`). `version` declares the version of the
+    weights the engine loaded; without it the engine holds weights of no known version
+    and stays out of serving until its first update lands. `incarnation` replaces a live predecessor of the same engine id and
     rank explicitly (it must be higher than the predecessor's); without it the endpoint
     refuses to start beside a live one, and replaces a dead one as the next incarnation.
     `patch_bytes` sizes the patch area delta updates write into (None: an eighth of
@@ -85,6 +87,7 @@ class EngineEndpoint:
         incarnation: int | None = None,
         patch_bytes: int | None = None,
     ) -> None:
+        engine_id = expand_engine_id(engine_id)  # a template ("rollout-{replica}"): see core.identity
         for name, tensor in params.items():
             if not tensor.is_contiguous():
                 raise ValueError(f"{where(engine_id, rank, name)} is not contiguous; its bytes cannot be written in place")
