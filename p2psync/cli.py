@@ -1,4 +1,4 @@
-"""The `p2psync` command: `plugins`, `demo`, `bench`, `plan`."""
+"""The `p2psync` command: `plugins`, `demo`, `bench`, `plan`, `rendezvous`."""
 
 from __future__ import annotations
 
@@ -188,8 +188,31 @@ def _run_bench(
     return 0 if verified(result) else 1
 
 
+def _rendezvous(args: argparse.Namespace) -> int:
+    """Serve a rendezvous store until stopped: a job's rendezvous that outlives its trainers
+    and engines (every job id has its own keys in it; tokens never go through it)."""
+    import signal
+    import threading
+
+    from .core.host import local_host
+    from .core.rendezvous import Rendezvous
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    host = args.host or local_host()
+    server = Rendezvous(host=host, port=args.port, job_id="rendezvous", is_server=True)
+    print(f"p2psync rendezvous serving at {host}:{server.port} (until stopped): give the job's trainers and engines "
+          f"Rendezvous(host={host!r}, port={server.port}, job_id=...)", flush=True)
+    stop.wait()
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    from .core.version import VERSION
+
     parser = argparse.ArgumentParser(prog="p2psync", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"p2psync {VERSION}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("plugins", help="list installed trainer sources, engine targets and transports").set_defaults(
         func=_plugins
@@ -292,6 +315,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan = sub.add_parser("plan", help="the real plan at cluster scale from per-rank shapes; predicted update times")
     _plan_arguments(plan)
     plan.set_defaults(func=_plan)
+    rendezvous = sub.add_parser("rendezvous", help="serve a job's rendezvous on its own, until stopped")
+    rendezvous.add_argument("--host", help="the address to serve at (default: $P2PSYNC_HOST, else 127.0.0.1)")
+    rendezvous.add_argument("--port", type=int, default=29400, help="the port (default 29400; 0: a free one)")
+    rendezvous.set_defaults(func=_rendezvous)
     args = parser.parse_args(argv)
     return args.func(args)
 
