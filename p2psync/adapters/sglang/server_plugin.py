@@ -2,9 +2,11 @@
 
 - On CPU it lets a real server publish weight memory that Mooncake accepts writes
   into (see `shim.patch_server_for_cpu`).
-- With `P2PSYNC_SGLANG_ENDPOINT` set (JSON: `rendezvous` "host:port", `job_id`,
-  `engine_id`, optional `transport`, default "mooncake", optional `version` of the
-  weights the server loads, optional `incarnation`), each scheduler, once its model is
+- With `P2PSYNC_SGLANG_ENDPOINT` set (JSON: `rendezvous` "host:port", or "ray" for the job's
+  rendezvous actor, `job_id`, `engine_id` (a template such as "rollout-{replica}" takes each
+  replica's id from its place in the job: `p2psync.core.identity`), optional `transport`,
+  default "mooncake", optional `version` of the weights the server loads, optional
+  `incarnation`), each scheduler, once its model is
   loaded (and its MTP/EAGLE draft worker, if it runs one: the draft's parameters are
   published too), serves p2psync's endpoint over the rank's parameters and publishes its table
   in the rendezvous: for transports sglang does not publish for itself (NIXL) and for
@@ -17,6 +19,10 @@
   `<engine_id>/<name>` (see `lora.serve_lora`): an update lands in the slot's staging copy
   while requests keep running, and is applied on the scheduler's thread between two forward
   passes (at the top of its event loop). Such a server must run with `--disable-radix-cache`.
+- The server's main process settles the settings first: it fills in the engine id's template
+  and, under Ray, finds the job's rendezvous actor (its schedulers, started after it, are no
+  Ray processes), and hands both to its schedulers through their environment, with the job's
+  token. Every scheduler waits for the rendezvous as long as it takes.
 - Unless `version` is declared, the server holds weights of no known version: it pauses
   generation as soon as it is up (after sglang's own warm-up request), and the first
   update resumes it.
@@ -51,6 +57,8 @@ def load() -> None:
         return
     patch_server_for_cpu()
     if os.environ.get(ENDPOINT_ENV):
+        if multiprocessing.parent_process() is None:
+            _settle_settings()
         on_model_loaded(_serve_rank)
         if _settings().get("lora"):
             _serve_lora_slots()
@@ -62,8 +70,31 @@ def _settings() -> dict[str, Any]:
     return json.loads(os.environ[ENDPOINT_ENV])
 
 
+def _settle_settings() -> None:
+    """In the server's main process: the engine id's template filled in from this process's
+    place in the job, and the rendezvous "ray" found, for the schedulers it starts."""
+    from ...core.identity import expand_engine_id
+
+    settings = _settings()
+    settings["engine_id"] = expand_engine_id(settings["engine_id"])
+    if settings["rendezvous"] == "ray":
+        from ..ray import job_rendezvous
+
+        found = job_rendezvous(settings["job_id"])  # sets $P2PSYNC_TOKEN for the schedulers too
+        settings["rendezvous"] = f"{found.host}:{found.port}"
+    os.environ[ENDPOINT_ENV] = json.dumps(settings)
+    log.info("p2psync: this server is engine %r of job %r, rendezvous at %s", settings["engine_id"],
+             settings["job_id"], settings["rendezvous"])
+
+
+def _rendezvous(settings: dict[str, Any]) -> Any:
+    """A scheduler's client of the job's rendezvous: patient, since engines outlive trainers."""
+    from ..ray import rendezvous_at
+
+    return rendezvous_at(settings["rendezvous"], job_id=settings["job_id"], patient=True)
+
+
 def _serve_rank(model: Any, server_args: Any, model_config: Any, tp_rank: int, draft: Any) -> None:
-    from ...core.rendezvous import Rendezvous
     from .endpoint import serve
 
     settings = _settings()
@@ -72,8 +103,7 @@ def _serve_rank(model: Any, server_args: Any, model_config: Any, tp_rank: int, d
         log.warning("p2psync: the server names its weights %r, p2psync %r: start it with --weight-version %s so that "
                     "responses name p2psync's versions until the first update", server_args.weight_version, declared,
                     declared)
-    host, port = settings["rendezvous"].rsplit(":", 1)
-    rendezvous = Rendezvous(host=host, port=int(port), job_id=settings["job_id"])
+    rendezvous = _rendezvous(settings)
     server_url = f"http://{server_args.host}:{server_args.port}"
     _served.append(
         serve(
@@ -123,7 +153,6 @@ def _serve_lora_slots() -> None:
     between = _BetweenBatches()
 
     def after_lora_manager(result: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
-        from ...core.rendezvous import Rendezvous
         from sglang.srt.runtime_context import get_context, get_lora, get_parallel
 
         from .lora import LoraRank, SglangAdapterSlots
@@ -145,8 +174,7 @@ def _serve_lora_slots() -> None:
         )
 
         rank = LoraRank(rank_model, runner.lora_manager, get_parallel().tp_rank, limits, between.run)
-        host, port = settings["rendezvous"].rsplit(":", 1)
-        slots = SglangAdapterSlots(rank, rendezvous=Rendezvous(host=host, port=int(port), job_id=settings["job_id"]),
+        slots = SglangAdapterSlots(rank, rendezvous=_rendezvous(settings),
                                    transport=settings.get("transport", "mooncake"), prefix=f"{settings['engine_id']}/")
         for ref in list(runner.lora_manager.lora_refs.values()):
             slots.serve(ref.lora_name, version=settings.get("version"))
