@@ -4,12 +4,16 @@ Setup (verl 0.9.x, hydra overrides):
 
     actor_rollout_ref.rollout.checkpoint_engine.backend=p2psync
     actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=p2psync.integrations.verl
-    +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.p2psync.rendezvous=HOST:PORT
+    +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.p2psync.rendezvous=ray
+    +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.p2psync.engine_id='rollout-{replica}'
 
 verl imports `custom_backend_module` in every actor and rollout worker before it
 builds the engine; importing this module registers the backend (verl has no
-entry-point group for checkpoint engines). Other engine_kwargs: `job_id`,
-`transport` (default "mooncake"), `transfer_timeout`, `check`, `host_rendezvous`.
+entry-point group for checkpoint engines). `rendezvous` is "ray" (the job's rendezvous
+actor, found by name by every actor: `p2psync.adapters.ray`) or "HOST:PORT" (a store the
+actor rank 0 hosts unless `host_rendezvous` is false, or `p2psync rendezvous`). Other
+engine_kwargs: `job_id`, `engine_id`, `transport` (default "mooncake"), `transfer_timeout`,
+`check`, `host_rendezvous`.
 
 Trainer side (verl builds it with `is_master=`): a p2psync Session over the
 per-tensor generator verl hands to `send_weights` (`IterableSource`). Every actor
@@ -27,7 +31,10 @@ verl's contract, where receive_weights yields every (name, tensor).
 
 Which engine a rollout worker stands for: the endpoint `attach()`ed in its process
 (an engine served in the same process, e.g. `p2psync.adapters.torch.serve`), else
-`$P2PSYNC_ENGINE_ID`.
+`engine_id` filled in from the worker's place in the job (`p2psync.core.identity`: verl's
+rollout workers are `rollout_standalone_<replica>...` actors and its sglang servers
+`sglang_server_<replica>_<node>`, so "rollout-{replica}" names one replica alike on both,
+with no code), else `$P2PSYNC_ENGINE_ID`.
 """
 
 from __future__ import annotations
@@ -83,6 +90,7 @@ class P2PSyncCheckpointEngine(CheckpointEngine):
         *,
         rendezvous: str,
         job_id: str = "verl",
+        engine_id: str | None = None,
         transport: str = "mooncake",
         transport_options: dict[str, Any] | None = None,
         transfer_timeout: float = 600.0,
@@ -93,9 +101,9 @@ class P2PSyncCheckpointEngine(CheckpointEngine):
         self.role = "rollout" if is_master is None else "actor"
         self.is_master = bool(is_master)
         self.bucket_size = int(bucket_size)
-        host, _, port = rendezvous.rpartition(":")
-        self.host, self.port = host or "127.0.0.1", int(port)
+        self.address = rendezvous
         self.job_id = job_id
+        self.engine_id_template = engine_id
         self.transport = transport
         self.transport_options = transport_options
         self.transfer_timeout = transfer_timeout
@@ -211,24 +219,31 @@ class P2PSyncCheckpointEngine(CheckpointEngine):
 
     def _rendezvous(self) -> Rendezvous:
         if self._rdzv is None:
+            from ..adapters.ray import RAY, rendezvous_at
             from ..core.rendezvous import Rendezvous
 
-            self._rdzv = Rendezvous(
-                host=self.host,
-                port=self.port,
-                job_id=self.job_id,
-                is_server=self.role == "actor" and self.is_master and self.host_rendezvous,
-                timeout=self.rendezvous_timeout,
-            )
+            if self.address != RAY and self.role == "actor" and self.is_master and self.host_rendezvous:
+                host, _, port = self.address.rpartition(":")
+                self._rdzv = Rendezvous(
+                    host=host or "127.0.0.1", port=int(port), job_id=self.job_id, is_server=True,
+                    timeout=self.rendezvous_timeout,
+                )
+            else:
+                self._rdzv = rendezvous_at(self.address, job_id=self.job_id, timeout=self.rendezvous_timeout)
         return self._rdzv
 
     def _own_engine_id(self) -> str:
         if _attached:
             return _attached[0].engine_id
+        if self.engine_id_template:
+            from ..core.identity import expand_engine_id
+
+            return expand_engine_id(self.engine_id_template)
         engine_id = os.environ.get("P2PSYNC_ENGINE_ID")
         if not engine_id:
             raise RuntimeError(
-                "p2psync: this rollout worker serves no engine: call p2psync.integrations.verl.attach(endpoint) "
-                "in the process that serves it, or set P2PSYNC_ENGINE_ID"
+                "p2psync: this rollout worker serves no engine: set engine_kwargs.p2psync.engine_id (a template such "
+                "as 'rollout-{replica}'), call p2psync.integrations.verl.attach(endpoint) in the process that serves "
+                "it, or set P2PSYNC_ENGINE_ID"
             )
         return engine_id
