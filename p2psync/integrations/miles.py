@@ -18,16 +18,16 @@ changes and `update_weights()` after each training step; the actor compares
 Settings come from `args` attributes, else environment variables (which Ray
 passes to the actors through its runtime env):
 
-| args attribute              | environment              | default            |
-|-----------------------------|--------------------------|--------------------|
-| p2psync_rendezvous          | P2PSYNC_RENDEZVOUS       | required, host:port|
-| p2psync_job_id              | P2PSYNC_JOB_ID           | "rl"               |
-| p2psync_transport           | P2PSYNC_TRANSPORT        | "mooncake"         |
-| p2psync_source              | P2PSYNC_SOURCE           | "megatron"         |
-| p2psync_engine_prefix       | P2PSYNC_ENGINE_PREFIX    | "rollout-"         |
-| p2psync_host_rendezvous     | P2PSYNC_HOST_RENDEZVOUS  | true (rank 0 hosts)|
-| p2psync_check               | P2PSYNC_CHECK            | false              |
-| update_weight_buffer_size   | -                        | bucket_bytes       |
+| args attribute            | environment             | default                      |
+|---------------------------|-------------------------|------------------------------|
+| p2psync_rendezvous        | P2PSYNC_RENDEZVOUS      | required: host:port or "ray" |
+| p2psync_job_id            | P2PSYNC_JOB_ID          | "rl"                         |
+| p2psync_transport         | P2PSYNC_TRANSPORT       | "mooncake"                   |
+| p2psync_source            | P2PSYNC_SOURCE          | "megatron"                   |
+| p2psync_engine_prefix     | P2PSYNC_ENGINE_PREFIX   | "rollout-"                   |
+| p2psync_host_rendezvous   | P2PSYNC_HOST_RENDEZVOUS | true (rank 0 hosts)          |
+| p2psync_check             | P2PSYNC_CHECK           | false                        |
+| update_weight_buffer_size | -                       | bucket_bytes                 |
 
 Rollout engine i must serve its parameters under engine id `<prefix><i>` (the
 order of `rollout_engines`), or `args.p2psync_engine_ids` lists the ids.
@@ -160,6 +160,7 @@ class P2PSyncUpdateWeight:
     def _ensure_session(self) -> Session:
         if self._session is not None:
             return self._session
+        from ..adapters.ray import RAY, rendezvous_at
         from ..trainer import collectives
         from ..core.plugins import registry
         from ..core.rendezvous import Rendezvous
@@ -168,14 +169,13 @@ class P2PSyncUpdateWeight:
 
         address = setting(self.args, "rendezvous")
         if not address:
-            raise ValueError("p2psync: set args.p2psync_rendezvous or $P2PSYNC_RENDEZVOUS to host:port")
-        host, _, port = str(address).rpartition(":")
-        rendezvous = Rendezvous(
-            host=host or "127.0.0.1",
-            port=int(port),
-            job_id=setting(self.args, "job_id"),
-            is_server=collectives.world_rank() == 0 and setting(self.args, "host_rendezvous"),
-        )
+            raise ValueError("p2psync: set args.p2psync_rendezvous or $P2PSYNC_RENDEZVOUS to host:port or 'ray'")
+        job_id = setting(self.args, "job_id")
+        if address != RAY and collectives.world_rank() == 0 and setting(self.args, "host_rendezvous"):
+            host, _, port = str(address).rpartition(":")
+            rendezvous = Rendezvous(host=host or "127.0.0.1", port=int(port), job_id=job_id, is_server=True)
+        else:  # the job's rendezvous actor, or a store another process hosts
+            rendezvous = rendezvous_at(str(address), job_id=job_id)
         if self._source is None:
             self._source = self._build_source(registry().trainer_source(setting(self.args, "source")))
         options = SessionOptions(  # miles' and slime's arguments, as p2psync's options
