@@ -40,7 +40,8 @@ SAY_WAITING, SAY_WAITING_MAX = 5.0, 300.0
 class Rendezvous:
     """A namespaced view of a TCPStore.
 
-    `is_server=True` hosts the store in this process (port 0 picks a free port);
+    `is_server=True` hosts the store in this process (port 0 picks a free port), listening on
+    `host` only (`listen_on`), the address its peers use, not on every interface;
     everyone else connects to `host:port` when first needed, waiting at most `timeout`
     for it to listen (`patient=True`: as long as it takes, saying so now and then, as an
     engine that outlives its trainers waits for the next). `token()` is the job's
@@ -70,8 +71,10 @@ class Rendezvous:
         self.patient = patient
         self.host = host
         if store is None and is_server:
+            listening = listen_on(host, port)
             store = dist.TCPStore(
-                host, port, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False
+                host, listening.getsockname()[1], is_master=True, timeout=timedelta(seconds=timeout),
+                wait_for_workers=False, master_listen_fd=listening.detach(),  # the store owns it from here
             )
         self._store = store
         self._prefixed: dist.Store | None = None
@@ -237,6 +240,30 @@ class Rendezvous:
                 f"rendezvous {self.where} failed while waiting for key {key!r}{who}: {first_line(exc)}"
             ) from exc
         raise RendezvousError(f"rendezvous {self.where}: key {key!r}{who} not published within {timeout:g} s")
+
+
+def listen_on(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host:port` and listening, for a server that must be reached at
+    `host` only: torch's TCPStore, left to bind itself, listens on every interface (`[::]`),
+    so that whoever reaches any address of this machine reaches the store. Handed to it as
+    `master_listen_fd`. RendezvousError where `host` is not an address of this machine or
+    the port is taken."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise RendezvousError(f"cannot serve a rendezvous at {host}:{port}: {exc}") from exc
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted trainer takes its port again
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        sock.close()
+        raise RendezvousError(
+            f"cannot serve a rendezvous at {host}:{port}: {exc} (the rendezvous listens on the address its "
+            "peers use; it must be one of this machine's)"
+        ) from exc
+    return sock
 
 
 def _wait_listening(host: str, port: int, deadline: float, where: str) -> str:
