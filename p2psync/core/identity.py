@@ -5,7 +5,7 @@ An engine id may be a template: `rollout-{replica}`. Its fields:
   process runs in (verl names its server actors `sglang_server_<replica>_<node>`, and a
   framework's own actors `rollout_3`, `engine-3` and the like work alike);
 - `actor`: the Ray actor's name;
-- whatever the engine adapter adds (sglang: `dp_rank`).
+- whatever the caller adds (`extra`).
 A field that no source gives leaves the template unexpanded where `partial` asks (a later
 process fills it in), else is an error naming the template and the fields there are.
 """

@@ -5,7 +5,7 @@ process that reaches it may read). In order:
 
 1. `$P2PSYNC_TOKEN`, where the launcher sets it in every process of the job;
 2. `$P2PSYNC_TOKEN_FILE`, a file the launcher wrote (its first line);
-3. under Ray, the job's rendezvous actor (`p2psync.integrations.ray`), which sets
+3. under Ray, the job's rendezvous actor (`p2psync.adapters.ray`), which sets
    `$P2PSYNC_TOKEN` in the processes it serves;
 4. on one machine, a per-user file under `$P2PSYNC_TOKEN_DIR` (default
    `~/.cache/p2psync/tokens`), one per job id, made (mode 0600) by whichever process of the
