@@ -67,10 +67,11 @@ class Transport(ABC):
     """A way to move bytes from trainer buffers into registered engine memory.
 
     One instance per process. Both sides first `bind` it to the job's
-    rendezvous. The engine side calls `expose` once with its parameter memory and
-    publishes the returned info in its target table; the trainer side registers
-    its transfer buffers once with `register_buffer` and opens a `Peer` per engine
-    rank it serves. Memory is passed as tensors so that a transport can tell host
+    rendezvous. The engine side calls `expose` with its parameter memory and
+    publishes the returned info in its target table (where the transport can `conceal`
+    it, it conceals it between updates and exposes it again at each pause); the trainer
+    side registers its transfer buffers once with `register_buffer` and opens a `Peer`
+    per engine rank it serves. Memory is passed as tensors so that a transport can tell host
     from device memory and, where it must receive (two-sided transports), write
     into them.
 
@@ -106,6 +107,16 @@ class Transport(ABC):
     def expose(self, tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
         """Engine side: register the memory of `tensors` (contiguous) as write
         targets; return the JSON-serializable info a trainer needs to reach them."""
+
+    def conceal(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Engine side: refuse every remote write into `tensors` and every remote read of them
+        until `expose` is called with them again (which opens them and returns the info for the
+        table). The endpoint conceals its memory whenever no update holds the engine paused, so
+        that a process that reaches this transport's port, job token or not, can neither change
+        what the engine serves nor read its weights. False where this transport cannot (the
+        default): its memory stays open to whoever reaches it outside updates too, and the
+        endpoint looks for bytes changed outside an update instead (`EngineEndpoint`)."""
+        return False
 
     def fence(self, tensors: Sequence[torch.Tensor]) -> dict[str, Any] | None:
         """Engine side, before an update that follows one that never finished: make sure no

@@ -10,6 +10,13 @@ on their way), `renew`, `patch` (apply a delta patch, see `patch.PatchArea`), `f
 (a plain torch module, a worker without a server) use it as is; the callables say
 what pausing and resuming mean for that engine. Whether the engine may serve, and
 the lease of an update in progress, live in its `EngineState`.
+
+The memory is open to remote writes only while an update holds the engine paused: from its
+`pause` to its `finish`, `fail` or lease's end (and at `retire`) the endpoint has the
+transport `conceal` it, so that a process without the job's token, which the control routes
+refuse (403), cannot change what the engine serves nor read its weights through the
+transport's port either (`Transport.conceal`). Where a transport cannot conceal, the endpoint
+says so at start.
 """
 
 from __future__ import annotations
@@ -124,6 +131,7 @@ class EngineEndpoint:
         self._watch: threading.Thread | None = None
         self._presence: Presence | None = None  # keeps the table published while rendezvous stores come and go
         self._server: ControlServer | None = None
+        self._concealed = False  # the transport refuses remote access to the memory now
         self.held = HeldWeights(self.params, version)
         self._at_exit = CloseAtExit(self)
 
@@ -169,6 +177,11 @@ class EngineEndpoint:
         if self.patch_bytes and self.params:
             self.patches = PatchArea(self.patch_bytes, device_of(list(self.params.values())))
         self.transport_info = self.transport.expose(self._exposed())
+        self._conceal()
+        if not self._concealed:
+            log.warning("%s: transport %r cannot conceal the engine's memory between updates: whoever reaches its "
+                        "port may write and read it, job token or not (see the transport's docs)", self.where,
+                        self.transport.name)
         routes = {
             "pause": self._pause, "renew": self._renew, "patch": self._patch, "finish": self._finish,
             "digest": self._digest, "info": self._info, "retire": self._retire, "held": self._held,
@@ -195,14 +208,25 @@ class EngineEndpoint:
         """The memory trainers write: every parameter with elements, and the patch area."""
         return [t for t in self.params.values() if t.numel() > 0] + ([self.patches.tensor] if self.patches else [])
 
-    def _fence(self, unfinished: str) -> None:
-        """Before the update that follows `unfinished`, one that never finished here: keep
-        its writes, which may still be on their way, from landing from now on (the transport
-        drops every connection and exposes the memory anew), and publish the new info."""
-        info = self.transport.fence(self._exposed())
-        if info is None:
+    def _conceal(self) -> None:
+        """Refuse remote access to the memory until the next pause, where the transport can
+        (lock held, or before the endpoint serves)."""
+        if not self._concealed:
+            self._concealed = self.transport.conceal(self._exposed())
+
+    def _reveal(self, unfinished: str | None) -> None:
+        """At a pause: open the memory to the update's writes (lock held). After `unfinished`,
+        an update that never finished here, first keep its writes, which may still be on their
+        way, from landing from now on (the transport drops every connection and exposes the
+        memory anew). New transport info is published."""
+        info = self.transport.fence(self._exposed()) if unfinished is not None else None
+        if unfinished is not None and info is None:
             log.warning("%s: update %r never finished and transport %r cannot fence off its writes; a late one "
                         "is caught only by a digest check (check=True)", self.where, unfinished, self.transport.name)
+        if info is None and self._concealed:
+            info = self.transport.expose(self._exposed())
+        self._concealed = False
+        if info is None or info == self.transport_info:
             return
         self.transport_info = info
         if self.table is not None:
@@ -212,7 +236,8 @@ class EngineEndpoint:
                 self.table = moved
             else:
                 log.warning("%s: the new transport info was not published: %s holds its place", self.where, held.instance)
-        log.info("%s: fenced off the writes of unfinished update %r; now at %s", self.where, unfinished, info)
+        if unfinished is not None:
+            log.info("%s: fenced off the writes of unfinished update %r; now at %s", self.where, unfinished, info)
 
     def _table(self) -> TargetTable:
         return TargetTable(
@@ -275,6 +300,8 @@ class EngineEndpoint:
                     return
                 self._changed.wait(max(0.0, until - time.monotonic()))
                 reason = self.state.expire(time.monotonic())
+                if reason:
+                    self._conceal()
             if reason:
                 log.error("%s: %s; not serving until an update finishes", self.where, reason)
                 self.hooks.on_stale(reason)
@@ -293,8 +320,7 @@ class EngineEndpoint:
             self._changed.notify_all()
             if was_serving:
                 self._stop_serving(pause_mode(mode), float(body.get("drain_seconds", lease)))
-            if unfinished is not None:
-                self._fence(unfinished)
+            self._reveal(unfinished)
         self.held.settle()  # the last update's fingerprints are read before any write lands
         return {**self.state.status(), "transport_info": self.transport_info}
 
@@ -337,6 +363,7 @@ class EngineEndpoint:
         version = str(body["version"])
         with self._lock:
             self.state.check_update(version, "finish")
+            self._conceal()  # every write of the update landed: from here on none lands
             self.hooks.post_process()
             mislabelled = self.held.mislabelled(version)
             if mislabelled is not None:
@@ -353,6 +380,7 @@ class EngineEndpoint:
     def _fail(self, body: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
             stale, was_serving = self.state.fail(str(body["version"]), str(body["reason"]))
+            self._conceal()
             self._changed.notify_all()
             if was_serving:  # its finish landed, but the trainer never heard: undone
                 self._stop_serving("abort", drain_seconds=0.0)
@@ -368,6 +396,7 @@ class EngineEndpoint:
         reason = f"replaced by incarnation {int(body['incarnation'])} of {self.where}"
         with self._lock:
             was_serving = self.state.retire(reason)
+            self._conceal()
             self._changed.notify_all()
             if was_serving:
                 self._stop_serving("abort", drain_seconds=0.0)

@@ -51,7 +51,7 @@ def test_an_unknown_transport_option_is_refused_before_the_session_binds():
         Session(source=Source(), transport="mooncake", rendezvous=Untouchable(), transport_options={"hots": "x"})
     assert str(error.value) == (
         "transport 'mooncake': unknown option(s) ['hots']; valid options: host: str | NoneType = None, "
-        "protocol: str = 'auto', device_name: str = '', log_level: str = 'WARNING'"
+        "protocol: str = 'auto', device_name: str = '', log_level: str = 'WARNING', conceal: bool | 'auto' = 'auto'"
     )
 
 

@@ -5,6 +5,18 @@ Uses the P2P handshake (no metadata server): the engine side publishes
 (`mooncake-transfer-engine-non-cuda`) registers host memory only; GPU memory
 needs the CUDA wheel, which registers device pointers through the same calls
 (not runnable on the CPU machines this project is tested on).
+
+Who can reach the engine's memory: Mooncake listens on every interface (its handshake
+port and its TCP data port bind INADDR_ANY / in6addr_any, whatever host `initialize` is
+given; $MC_TCP_BIND_ADDRESS only names the address it advertises without the P2P
+handshake) and asks for no credentials: any process that reaches those ports and knows an
+address (the tables in the rendezvous list them) may write and read whatever is
+registered. Its TCP transport refuses a remote address outside every registered buffer,
+and RDMA keys die with their registration, so the engine side registers its memory only
+while an update holds it paused (`conceal`, option `conceal`): outside updates Mooncake
+refuses every remote write and read of it. During an update, whoever reaches the ports may
+write too, as the trainer does (`check=True` catches such bytes where they land before the
+digests are taken).
 """
 
 from __future__ import annotations
@@ -17,7 +29,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ...core.errors import TransferError
 from ...core.transport import Peer, Transport, WriteBatch
@@ -60,12 +72,21 @@ class MooncakeOptions:
     $P2PSYNC_HOST, the Ray node's address, or the route toward the rendezvous);
     `protocol`: Mooncake's ("auto": rdma when an RDMA device exists, else tcp);
     `device_name`: RDMA devices ("" = all); `log_level`: Mooncake's own (default WARNING:
-    its INFO level logs every batch; $MC_LOG_LEVEL wins when set)."""
+    its INFO level logs every batch; $MC_LOG_LEVEL wins when set); `conceal`: on the engine
+    side, register the memory with Mooncake only while an update holds the engine paused, so
+    that outside updates Mooncake refuses every remote write and read of it (True; False keeps
+    it registered from start to close; "auto", the default: over TCP, not over RDMA, where
+    registering GPU memory costs more per update and new registrations give new keys, which
+    this project cannot test: there the endpoint watches the weights instead). Mooncake 0.3.13
+    copies its list of registrations at each one, so registering n ranges costs O(n^2):
+    measured over TCP here, 2 ms for 300 ranges, 0.1-0.2 s for 1000-3000, 13 s for 10000 per
+    pause; adjacent tensors are registered as one range."""
 
     host: str | None = None
     protocol: str = "auto"
     device_name: str = ""
     log_level: str = "WARNING"
+    conceal: bool | Literal["auto"] = "auto"
 
 
 class MooncakeTransport(Transport):
@@ -90,6 +111,8 @@ class MooncakeTransport(Transport):
         else:
             self.protocol = requested
         self.device_name = self.options.device_name
+        conceal = self.options.conceal
+        self.conceals = self.protocol == "tcp" if conceal == "auto" else bool(conceal)
         self._engine: Any = None
         self._registered: dict[int, int] = {}  # address -> bytes
 
@@ -142,17 +165,32 @@ class MooncakeTransport(Transport):
                 time.sleep(random.uniform(0, 0.05 * attempt))  # out of step with the processes it raced
         return self._engine
 
-    def _register(self, tensor: torch.Tensor) -> None:
-        addr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+    def _register(self, addr: int, nbytes: int) -> None:
+        if self._registered.get(addr) == nbytes:
+            return
         rc = self.engine.register_memory(addr, nbytes)
         if rc != 0:
             raise TransferError(f"Mooncake register_memory({addr:#x}, {nbytes}) returned {rc}")
         self._registered[addr] = nbytes
 
     def expose(self, tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
-        for tensor in tensors:
-            self._register(tensor)
+        """Register `tensors` (again, after `conceal`): the session name stays."""
+        for addr, nbytes in spans(tensors):
+            self._register(addr, nbytes)
         return {"session": f"{self.host}:{self.engine.get_rpc_port()}", "protocol": self.protocol}
+
+    def conceal(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Unregister `tensors`: Mooncake refuses remote writes and reads of memory it holds
+        no registration of (its TCP server checks every remote address against them). False
+        where option `conceal` says not to (they stay registered)."""
+        if not self.conceals:
+            return False
+        for addr, _ in spans(tensors):
+            if self._registered.pop(addr, None) is not None:
+                rc = self.engine.unregister_memory(addr)
+                if rc != 0:
+                    raise TransferError(f"Mooncake unregister_memory({addr:#x}) returned {rc}")
+        return True
 
     def fence(self, tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
         """Drop the Transfer Engine, whose destruction closes every connection it accepted (a
@@ -162,7 +200,7 @@ class MooncakeTransport(Transport):
         return self.expose(tensors)
 
     def register_buffer(self, buffer: torch.Tensor) -> None:
-        self._register(buffer)
+        self._register(buffer.data_ptr(), buffer.numel() * buffer.element_size())
 
     def unregister_buffer(self, buffer: torch.Tensor) -> None:
         addr = buffer.data_ptr()
@@ -186,6 +224,21 @@ class MooncakeTransport(Transport):
 
     def describe(self) -> dict[str, Any]:
         return {"transport": self.name, "protocol": self.protocol, "rdma_devices": rdma_devices()}
+
+
+def spans(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """The memory of `tensors` as (address, bytes) ranges, tensors that sit back to back (or
+    share memory) merged into one (Mooncake refuses overlapping registrations, and they cost
+    more the more there are), none of zero bytes."""
+    merged: list[list[int]] = []
+    for addr, nbytes in sorted((t.data_ptr(), t.numel() * t.element_size()) for t in tensors):
+        if nbytes <= 0:
+            continue
+        if merged and addr <= merged[-1][0] + merged[-1][1]:
+            merged[-1][1] = max(merged[-1][0] + merged[-1][1], addr + nbytes) - merged[-1][0]
+        else:
+            merged.append([addr, nbytes])
+    return [(addr, nbytes) for addr, nbytes in merged]
 
 
 class MooncakePeer(Peer):
