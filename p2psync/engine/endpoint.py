@@ -15,8 +15,10 @@ The memory is open to remote writes only while an update holds the engine paused
 `pause` to its `finish`, `fail` or lease's end (and at `retire`) the endpoint has the
 transport `conceal` it, so that a process without the job's token, which the control routes
 refuse (403), cannot change what the engine serves nor read its weights through the
-transport's port either (`Transport.conceal`). Where a transport cannot conceal, the endpoint
-says so at start.
+transport's port either (`Transport.conceal`). Where a transport cannot conceal (NIXL, the
+same-host transport, torch.distributed, Mooncake over RDMA), the endpoint says so at start and
+verifies its weights while it serves instead (`verify_seconds`): bytes changed outside an
+update take it out of serving, stale, until a later update finishes.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ __all__ = ["EndpointControl", "EndpointOptions", "EngineEndpoint", "EngineHooks"
 
 log = logging.getLogger(__name__)
 
+#: Seconds between checks of a serving engine's weights where its transport cannot conceal them.
+VERIFY_SECONDS = 10.0
+
 
 class EngineEndpoint:
     """Exposes one engine rank's parameters to trainers.
@@ -73,6 +78,11 @@ class EngineEndpoint:
     the parameter bytes, 1 to 64 MiB; 0: none, the rank takes full updates only).
     Delta updates patch the bytes the last update left; an engine whose post-load
     step rewrites its published parameters in place must pass 0.
+    `verify_seconds`: where the transport cannot conceal the memory between updates, how often
+    a serving rank compares its weights with the fingerprints taken when its last update
+    finished (None: every `VERIFY_SECONDS`; 0: never); any change the engine did not make
+    itself (`weights_written`) takes it out of serving until the next update finishes. The
+    fingerprints read every byte (on the parameters' device): 37 GB/s on one CPU core here.
     """
 
     def __init__(
@@ -93,6 +103,7 @@ class EngineEndpoint:
         version: str | None = None,
         incarnation: int | None = None,
         patch_bytes: int | None = None,
+        verify_seconds: float | None = None,
     ) -> None:
         engine_id = expand_engine_id(engine_id)  # a template ("rollout-{replica}"): see core.identity
         for name, tensor in params.items():
@@ -132,6 +143,9 @@ class EngineEndpoint:
         self._presence: Presence | None = None  # keeps the table published while rendezvous stores come and go
         self._server: ControlServer | None = None
         self._concealed = False  # the transport refuses remote access to the memory now
+        self.verify_seconds = VERIFY_SECONDS if verify_seconds is None else verify_seconds
+        self._verify: threading.Thread | None = None
+        self._updates = 0  # pauses and finishes so far: a weights check that saw one is void
         self.held = HeldWeights(self.params, version)
         self._at_exit = CloseAtExit(self)
 
@@ -179,9 +193,11 @@ class EngineEndpoint:
         self.transport_info = self.transport.expose(self._exposed())
         self._conceal()
         if not self._concealed:
+            verified = (f"weights changed outside an update are caught within {self.verify_seconds:g} s" if
+                        self.verify_seconds > 0 else "nothing verifies the weights between updates (verify_seconds=0)")
             log.warning("%s: transport %r cannot conceal the engine's memory between updates: whoever reaches its "
-                        "port may write and read it, job token or not (see the transport's docs)", self.where,
-                        self.transport.name)
+                        "port may write and read it, job token or not (see the transport's docs); %s", self.where,
+                        self.transport.name, verified)
         routes = {
             "pause": self._pause, "renew": self._renew, "patch": self._patch, "finish": self._finish,
             "digest": self._digest, "info": self._info, "retire": self._retire, "held": self._held,
@@ -202,6 +218,11 @@ class EngineEndpoint:
         self._watch.start()
         self._presence = Presence(self.rendezvous, lambda: self.table)
         self._presence.start()
+        if not self._concealed and self.verify_seconds > 0:
+            self._verify = threading.Thread(
+                target=self._verify_weights, name=f"p2psync-verify-{self.engine_id}", daemon=True
+            )
+            self._verify.start()
         return self.table
 
     def _exposed(self) -> list[torch.Tensor]:
@@ -281,9 +302,10 @@ class EngineEndpoint:
         with self._lock:
             self._closing = True
             self._changed.notify_all()
-        if self._watch is not None:
-            self._watch.join()
-            self._watch = None
+        for thread in (self._watch, self._verify):
+            if thread is not None:
+                thread.join()
+        self._watch = self._verify = None
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -306,6 +328,34 @@ class EngineEndpoint:
                 log.error("%s: %s; not serving until an update finishes", self.where, reason)
                 self.hooks.on_stale(reason)
 
+    def _verify_weights(self) -> None:
+        """Where the transport cannot conceal the memory: every `verify_seconds` while the rank
+        serves, compare its weights with the fingerprints of its last update; bytes changed
+        outside an update (a write it could not refuse) take it out of serving, stale, until a
+        later update finishes. A check that saw an update begin or end is void."""
+        while True:
+            with self._lock:
+                deadline = time.monotonic() + self.verify_seconds
+                while not self._closing and (left := deadline - time.monotonic()) > 0:
+                    self._changed.wait(left)
+                if self._closing:
+                    return
+                if not self.state.serving:
+                    continue
+                updates = self._updates
+            changed = self.held.changed_unseen()
+            if changed is None:
+                continue
+            with self._lock:
+                if self._closing or self._updates != updates or not self.state.serving:
+                    continue
+                reason = f"its weights changed outside an update: {changed}"
+                self.state.altered(reason)
+                self._changed.notify_all()
+                self._stop_serving("abort", drain_seconds=0.0)
+            log.error("%s: %s; not serving until an update finishes", self.where, reason)
+            self.hooks.on_stale(reason)
+
     # -- control routes -------------------------------------------------------------------
 
     def _pause(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -316,6 +366,7 @@ class EngineEndpoint:
         with self._lock:
             unfinished = self.state.updating
             was_serving = self.state.begin(version, lease, time.monotonic())
+            self._updates += 1
             self._flush_at_finish = bool(body.get("flush_cache", True))
             self._changed.notify_all()
             if was_serving:
@@ -371,6 +422,7 @@ class EngineEndpoint:
             if self._flush_at_finish:
                 self.hooks.flush_cache()
             self.state.complete(version)
+            self._updates += 1
             self.held.finished(version)
             self._changed.notify_all()
             self.hooks.resume()

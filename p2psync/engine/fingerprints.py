@@ -119,6 +119,14 @@ class HeldWeights:
         return (f"{len(changed)} parameter(s) changed since update {self._version!r} other than by p2psync: "
                 f"{', '.join(changed)}")
 
+    def changed_unseen(self) -> str | None:
+        """Which parameters changed since the last update finished other than by writes the engine
+        saw itself (`written`: after those, None until the next update finishes), or None."""
+        self.settle()
+        if self._written is not None:
+            return None
+        return self.altered()
+
     def label_refusal(self, version: str, *, rollback: bool) -> str | None:
         """Why the next update may not be labelled `version` here, or None: a label served
         before names its weights, unless the update is a rollback to them."""

@@ -54,7 +54,7 @@ class EndpointOptions(TypedDict, total=False):
     """What an engine adapter's `serve` passes on to `EngineEndpoint.serve` unchanged:
     `hooks`, the control server's `host`, the job's `token` (default: the rendezvous's),
     `transport_options`, the `version` the rank loaded, its `incarnation`, `extra` fields
-    for its table, and `patch_bytes` (see `EngineEndpoint`)."""
+    for its table, `patch_bytes` and `verify_seconds` (see `EngineEndpoint`)."""
 
     hooks: EngineHooks | None
     host: str
@@ -64,3 +64,4 @@ class EndpointOptions(TypedDict, total=False):
     incarnation: int | None
     extra: Mapping[str, Any] | None
     patch_bytes: int | None
+    verify_seconds: float | None

@@ -100,6 +100,13 @@ class EngineState:
         self.given_up, self.lease_until = version, None
         return self.stale, was_serving
 
+    def altered(self, reason: str) -> bool:
+        """Its weights changed outside an update (a write its transport could not refuse): stale
+        until a later update finishes. True if the engine was serving until now."""
+        was_serving = self.serving
+        self.stale = reason
+        return was_serving
+
     def retire(self, reason: str) -> bool:
         """Replaced for good by a successor; True if the engine was serving until now."""
         was_serving = self.serving

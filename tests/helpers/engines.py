@@ -88,10 +88,11 @@ class RecordingTransport(Transport):
 
 def engine_process(
     engine_id: str, port: int, job_id: str, transport: str, seed: int, width: int, dtype: str, stop: Any,
-    place: Place | None = None,
+    place: Place | None = None, options: dict[str, Any] | None = None,
 ) -> None:
     """A torch engine serving `small_model` (in `dtype`) until `stop` is set, joined to
-    `place` of a cluster in a box first where given. Besides the endpoint's routes: `state`
+    `place` of a cluster in a box first where given, with endpoint `options` (`EndpointOptions`:
+    `transport_options`, `verify_seconds`, ...) besides its hooks. Besides the endpoint's routes: `state`
     returns every parameter's bytes (hex), read by tests as the engine holds them; `poke`
     flips the bits of one byte of parameter `name` (a stray write); `reload` loads another
     seed's weights by the module's `load_state_dict`."""
@@ -120,7 +121,8 @@ def engine_process(
         "state": lambda body: {n: raw(n).numpy().tobytes().hex() for n in params}, "poke": poke, "reload": reload,
     }
     endpoint = serve(
-        model, engine_id=engine_id, rendezvous=rendezvous, transport=transport, hooks=EngineHooks(routes=routes)
+        model, engine_id=engine_id, rendezvous=rendezvous, transport=transport, hooks=EngineHooks(routes=routes),
+        **(options or {}),
     )
     stop.wait()
     endpoint.close()
@@ -129,12 +131,13 @@ def engine_process(
 @dataclass
 class Engines:
     """Engine processes of one job (each at its place in a cluster in a box where `places`
-    names one); killed at the end of the `engines` context."""
+    names one, each endpoint with `options`); killed at the end of the `engines` context."""
 
     rendezvous: Rendezvous
     transport: str
     width: int = 32
     places: dict[str, Place] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
     procs: dict[str, Any] = field(default_factory=dict)
     stops: dict[str, Any] = field(default_factory=dict)
 
@@ -145,7 +148,7 @@ class Engines:
             target=engine_process,
             args=(
                 engine_id, self.rendezvous.port, self.rendezvous.job_id, self.transport, seed, width or self.width,
-                dtype, stop, self.places.get(engine_id),
+                dtype, stop, self.places.get(engine_id), self.options,
             ),
             name=engine_id,
             daemon=True,
@@ -187,11 +190,12 @@ class Engines:
 
 @contextmanager
 def engines(
-    transport: str = "mooncake", job_id: str = "test", width: int = 32, places: dict[str, Place] | None = None
+    transport: str = "mooncake", job_id: str = "test", width: int = 32, places: dict[str, Place] | None = None,
+    options: dict[str, Any] | None = None,
 ) -> Iterator[Engines]:
-    """A rendezvous hosted by the test process and a set of engine processes."""
+    """A rendezvous hosted by the test process and a set of engine processes (endpoint `options`)."""
     rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id=job_id, is_server=True, timeout=30)
-    group = Engines(rendezvous, transport, width, places or {})
+    group = Engines(rendezvous, transport, width, places or {}, options or {})
     try:
         yield group
     finally:

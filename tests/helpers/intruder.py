@@ -71,12 +71,13 @@ def _attack(host: str, port: int, job_id: str, engine_id: str, answer: Any) -> N
     import torch
     from mooncake.engine import TransferEngine
 
+    from p2psync.core.host import local_host
     from p2psync.core.rendezvous import Rendezvous
 
     tables = Rendezvous(host=host, port=port, job_id=job_id, timeout=10).read_engine(engine_id)
     attack = Attack()
     engine = TransferEngine()
-    if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+    if engine.initialize(local_host(toward=host), "P2PHANDSHAKE", "tcp", "") != 0:
         raise RuntimeError("the intruder's Transfer Engine did not start")
     largest = max(nbytes for table in tables for _, nbytes in table.writable)
     junk = torch.full((largest,), JUNK, dtype=torch.uint8)

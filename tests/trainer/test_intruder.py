@@ -3,7 +3,8 @@ with the engine's tables read from the rendezvous (anyone may), such a process o
 Mooncake Transfer Engine and writes into and reads from every range a serving engine
 published, and calls every control route. Its writes and reads are refused, the routes answer
 403, and the engine keeps serving exactly the bytes of the model the trainer sent (torch's state
-dict: the oracle), before and after the next update, and after an update given up on."""
+dict: the oracle), before and after the next update, and after an update given up on. Where
+the transport cannot refuse, the engine catches the changed bytes and stops serving them."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tests.helpers.intruder import Attack, attack  # noqa: E402
 from p2psync.adapters.fsdp2 import FSDP2Source  # noqa: E402
 from p2psync.core.control import post  # noqa: E402
 from p2psync.core.digest import byte_view, digest  # noqa: E402
+from p2psync.core.errors import ControlError  # noqa: E402
 from p2psync.engine.client import EndpointControl  # noqa: E402
 from p2psync.trainer.session import Session  # noqa: E402
 
@@ -90,3 +92,37 @@ def test_a_process_without_the_token_can_neither_change_nor_read_a_serving_engin
             assert report.engines["a"].ok and report.engines["a"].checked, report.format()
             assert held(session, "a") == oracle(model)
             assert status(session, "a") == ("v4", True)
+
+
+def test_where_the_transport_cannot_conceal_the_engine_catches_changed_bytes_and_stops_serving_them():
+    """Mooncake told to keep the memory registered stands for the transports that cannot refuse
+    (RDMA inside its fabric, NIXL, the same-host transport): the intruder's writes land and its
+    reads succeed, and the engine, verifying its weights while it serves, finds bytes changed
+    outside an update and stops serving them until the next update, which restores the oracle."""
+    model = small_model(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    options = {"transport_options": {"conceal": False}, "verify_seconds": 0.5}
+    with engines(job_id="intruder-open", options=options) as group:
+        group.start("a")
+        rendezvous = group.rendezvous
+        with Session(source=FSDP2Source(model), transport="mooncake", rendezvous=rendezvous, check=True) as session:
+            session.connect(["a"])
+            train_step(model, optimizer, 1)
+            assert session.update("v1").engines["a"].ok
+            assert held(session, "a") == oracle(model)
+
+            intrusion = attack(rendezvous.host, rendezvous.port, rendezvous.job_id, "a")
+            assert intrusion.landed and intrusion.read_back, "Mooncake refused although told not to conceal"
+            assert not intrusion.answered, f"control routes answered the intruder: {intrusion.answered}"
+            wait_for(lambda: status(session, "a") == ("v1", False), 10, "engine a out of serving")
+            table = session.tables["a"][0]
+            stale = post(table.control_url, "info", token=session.token, timeout=10)["stale"]
+            assert "changed outside an update" in stale, stale
+            with pytest.raises(ControlError, match="503"):
+                held(session, "a")  # its own routes serve nothing of the changed bytes
+
+            train_step(model, optimizer, 2)
+            report = session.update("v2")
+            assert report.engines["a"].ok and report.engines["a"].checked, report.format()
+            assert held(session, "a") == oracle(model)
+            assert status(session, "a") == ("v2", True)
