@@ -8,7 +8,10 @@ a few steps later), a trainer rank SIGKILLed mid-update, an engine's weights cha
 behind the trainer's back, a second `update` from another thread mid-update, an engine
 stopped (SIGSTOP) mid-update and continued once the update gave up on it, an engine stopped
 as its finish is called (its writes landed) and continued after the report, a reconnect
-while an engine is dead. Every connect names every engine: the dead ones are left out. In a
+while an engine is dead, and after an update a process of this host without the job's token
+(`tests.helpers.intruder`) writing into and reading every range each serving engine published,
+over its own Mooncake Transfer Engine, and calling every control route: all refused (drawn
+from a generator of its own, so that the other faults' schedule per seed stays as it was). Every connect names every engine: the dead ones are left out. In a
 box (`box`: the trainer ranks and the driver on node 0, each engine on a node of its own)
 two network faults join them: an engine node's link pulled mid-update (mended after the
 step) and an engine node's link losing 1 packet in 16 for a step. After every step an oracle
@@ -39,6 +42,7 @@ from p2psync.core.errors import ControlError
 from p2psync.core.rendezvous import Rendezvous
 from p2psync.worlds import netbox
 from tests.helpers.engines import Place, engines, small_model, train_step, wait_for
+from tests.helpers.intruder import attack
 
 ENGINES = ("a", "b")
 DTYPE = "bfloat16"
@@ -47,6 +51,8 @@ SESSIONS = [(delta, gather) for delta in (True, False) for gather in ("auto", "a
 #: Per step, the chance of each fault.
 FAULTS = {"kill_engine": 0.05, "kill_trainer": 0.03, "poke": 0.08, "concurrent": 0.05, "stall": 0.03,
           "late_finish": 0.04}
+#: Per step, the chance of an intruder (drawn from a generator of its own).
+INTRUDER = 0.06
 #: The chance of a reconnect at a step while an engine is dead.
 RECONNECT = 0.3
 #: Per step, the chance of each network fault (in a box only).
@@ -238,6 +244,7 @@ def run_chaos(tmp_path: Path, *, steps: int, seed: int, box: netbox.Box | None =
     each fault and session was drawn, and (in a box) how many lossy steps still landed on the
     lossy engine (`lossy_landed`)."""
     rng = random.Random(seed)
+    intruders = random.Random(f"intruder {seed}")
     tried: Counter[str] = Counter()
     faults_drawn = {**FAULTS, **(NETWORK_FAULTS if box is not None else {})}
     places = {e: (box, engine_node(e), 0) for e in ENGINES} if box is not None else None
@@ -328,6 +335,18 @@ def run_chaos(tmp_path: Path, *, steps: int, seed: int, box: netbox.Box | None =
                         assert version == f"v{step}", (where, engine, version, "reported ok")
                 if lossy is not None and outcome.get(lossy, (False, None))[0]:
                     tried["lossy_landed"] += 1
+            if intruders.random() < INTRUDER:
+                tried["intruder"] += 1
+                for engine in sorted(alive - {stalled}):
+                    if not _status(group, engine)["serving"]:
+                        continue
+                    rendezvous = group.rendezvous
+                    print(f"chaos {where}: an intruder without the token attacks serving engine {engine}", flush=True)
+                    got = attack(rendezvous.host, rendezvous.port, rendezvous.job_id, engine)
+                    assert got.writes and got.routes, (where, engine, got)
+                    refused = not (got.landed or got.read_back or got.leaked or got.answered)
+                    assert refused, (where, engine, f"the intruder wrote at {got.landed}, read at {got.read_back}, "
+                                     f"was answered by {got.answered}")
             for engine in sorted(alive):
                 if engine == stalled:  # it may still be told or time out: not served either way
                     continue

@@ -38,7 +38,8 @@ if __name__ == "__main__":  # the schedule's processes are spawned: they import 
 
 def test_chaos_schedule_keeps_every_serving_engine_on_one_acknowledged_version(tmp_path):
     tried = run_chaos(tmp_path, steps=STEPS, seed=SEED)
-    drawn = ("kill_engine", "kill_trainer", "poke", "concurrent", "stall", "late_finish_stopped", "dead_at_connect")
+    drawn = ("kill_engine", "kill_trainer", "poke", "concurrent", "stall", "late_finish_stopped", "dead_at_connect",
+             "intruder")
     assert all(tried.get(fault) for fault in drawn), tried
 
 
