@@ -41,7 +41,8 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def engine_main(transport: str, port: int, job_id: str, conn: Any) -> None:
-    """Expose `engine_tensors()`; answer "dump" with their bytes until "stop"."""
+    """Expose `engine_tensors()`; answer "dump" with their bytes, "conceal" and "expose" with
+    what the transport's call returned, until "stop"."""
     torch.set_num_threads(1)
     tensors = engine_tensors()
     side = registry().transport(transport)()
@@ -56,8 +57,13 @@ def engine_main(transport: str, port: int, job_id: str, conn: Any) -> None:
             ],
         )
     )
-    while conn.recv() != "stop":  # "dump"
-        conn.send({n: as_bytes(t).numpy().tobytes() for n, t in tensors.items()})
+    while (command := conn.recv()) != "stop":
+        if command == "conceal":
+            conn.send(side.conceal(list(tensors.values())))
+        elif command == "expose":
+            conn.send(side.expose(list(tensors.values())))
+        else:  # "dump"
+            conn.send({n: as_bytes(t).numpy().tobytes() for n, t in tensors.items()})
     side.close()
 
 
@@ -73,6 +79,12 @@ class Engine:
         self.conn.send("dump")
         assert self.conn.poll(30), "the engine did not answer"
         return {n: torch.frombuffer(bytearray(b), dtype=torch.uint8) for n, b in self.conn.recv().items()}
+
+    def call(self, command: str) -> Any:
+        """What the engine's transport answered to `command` ("conceal", "expose")."""
+        self.conn.send(command)
+        assert self.conn.poll(30), "the engine did not answer"
+        return self.conn.recv()
 
     def signal(self, sig: int) -> None:
         os.kill(self.proc.pid, sig)

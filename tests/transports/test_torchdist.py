@@ -62,3 +62,22 @@ def test_a_stuck_engine_times_out_then_recovers_and_a_dead_one_fails_at_once():
         with pytest.raises(TransferError, match=WHO):
             peer.write(batch, timeout=5)
         assert time.monotonic() - start < 5 + MARGIN
+
+
+def test_concealed_memory_refuses_every_write_and_takes_them_again_once_exposed():
+    """Outside updates the engine conceals its memory: a write (any sender's: pairs meet in the
+    rendezvous, which anyone may write) is refused and none of its bytes lands; exposed again,
+    on the same channel, writes land."""
+    buffer = torch.randint(0, 256, (2 << 20,), dtype=torch.uint8)
+    with engine("torchdist", "torchdist-conceal") as (eng, rendezvous):
+        peer = trainer(rendezvous, buffer).open(eng.table)
+        batch = multi_range_batch(eng.table, buffer)
+        held = eng.dump()
+        assert eng.call("conceal") is True
+        with pytest.raises(TransferError):
+            peer.write(batch, timeout=5)
+        assert_same(eng.dump(), held)
+
+        assert eng.call("expose") == eng.table.transport_info
+        peer.write(batch, timeout=20)
+        assert_same(eng.dump(), expected_after(eng.table, held, batch, buffer))

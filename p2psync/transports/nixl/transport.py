@@ -26,6 +26,15 @@ Ports: the agent runs no listener thread, and UCX's TCP transport listens on a p
 the kernel assigns (it binds port 0 unless $UCX_TCP_PORT_RANGE says otherwise), so
 engines starting at once cannot take each other's port, unlike Mooncake's random
 pick (see the Mooncake transport).
+
+Who can reach the engine's memory: UCX listens on an address of every network device it
+uses (here 127.0.0.1 and the host's other address), not on one p2psync chooses: restrict it
+with `ucx_net_devices` (or $UCX_NET_DEVICES). The agent metadata the table publishes (and
+any process may read from the rendezvous) carries what a remote agent needs to write into
+the registered memory, with no token; on one host UCX writes by cma (process_vm_writev), as
+the engine's user. This transport cannot conceal the memory between updates (re-registering
+would give new keys that every trainer must load again, and cma ignores registrations): the
+endpoint verifies the weights while it serves instead (`EngineEndpoint`, `verify_seconds`).
 """
 
 from __future__ import annotations

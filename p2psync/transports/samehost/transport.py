@@ -4,6 +4,13 @@ On CPU, `process_vm_writev` copies from the trainer's buffers into the engine
 process (one copy, no socket, no staging). On GPUs, the engine exports its
 parameter memory as CUDA IPC handles and the trainer copies into the mapping
 (untested here: no GPU). The device of the exposed tensors selects the path.
+
+Who can reach the engine's memory: no port is opened, but on CPU any process of the
+engine's user may write into it (and read it) with process_vm_writev, where Yama allows
+(the engine lifts ptrace_scope 1's restriction to ancestors with PR_SET_PTRACER_ANY), and on
+GPUs any process that opens the CUDA IPC handles the table publishes. The transport cannot
+conceal the memory between updates: the endpoint verifies the weights while it serves
+instead (`EngineEndpoint`, `verify_seconds`).
 """
 
 from __future__ import annotations

@@ -46,6 +46,8 @@ class Receiver:
         self._next = 1
         self._closed = False
         self._pairs: dict[str, Pair] = {}  # by sender: a trainer peer's newest pair
+        #: While set, every write is refused (its pair closes, none of its bytes lands).
+        self.concealed = False
         self._lock = threading.Lock()
         self._listener = threading.Thread(target=self._listen, name=f"p2psync-torchdist-{channel}", daemon=True)
         self._servers: list[threading.Thread] = []
@@ -143,6 +145,8 @@ class Receiver:
         ranges = torch.empty(2 * count, dtype=torch.int64)
         pair.wait(pair.control.recv([ranges], TRAINER, TAG), deadline)
         addrs, lengths = ranges[:count].tolist(), ranges[count:].tolist()
+        if self.concealed:  # no update holds the engine paused (ValueError: the pair closes)
+            raise ValueError(f"a write of {sum(lengths)} bytes while the engine's memory is concealed")
         # Refuses any byte outside the exposed tensors (ValueError: the pair closes).
         landing = [self.memory.pieces(a, n) for a, n in zip(addrs, lengths)]
         posted: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []

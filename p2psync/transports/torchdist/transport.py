@@ -4,6 +4,13 @@ A two-sided transport: the engine side receives on threads of its own (see
 receiver.py) into its parameter memory, in the order the trainer sends, and
 acknowledges each write, so `Peer.write` returns once the bytes have landed.
 The NCCL path is UNTESTED (no GPU on this project's machines).
+
+Who can reach the engine's memory: gloo's sockets listen on `host` only (the address peers
+use), but pairs meet through the rendezvous store, which any process that reaches it may
+read and write: such a process may ask for a pair on the published channel and send writes,
+with no token. Outside updates the receiver refuses every write (`conceal`: its pair closes,
+none of its bytes lands); during an update, whoever asks for a pair may write too. Nothing is
+ever read back from the engine. NCCL's own sockets are NCCL's (`NCCL_SOCKET_IFNAME`).
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ class TorchDistTransport(Transport):
         super().__init__(options=options)
         self._buffers = AddressMap()
         self._receiver: Receiver | None = None
+        self._info: dict[str, Any] = {}
 
     def _bound(self) -> Rendezvous:
         if self.rendezvous is None:
@@ -67,6 +75,11 @@ class TorchDistTransport(Transport):
         return float(self.options.connect_timeout or self._bound().timeout)
 
     def expose(self, tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
+        """Start receiving into `tensors` on a new channel; again after `conceal`, take writes
+        again on the same one."""
+        if self._receiver is not None:
+            self._receiver.concealed = False
+            return self._info
         device = device_of(tensors)
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"torchdist receives into cpu (gloo) or cuda (NCCL) memory, not {device.type}")
@@ -75,7 +88,15 @@ class TorchDistTransport(Transport):
             self._bound().store, channel, AddressMap(tensors), device, host=self.host, timeout=self.connect_timeout
         )
         self._receiver.start()
-        return {"channel": channel, "device": device.type}
+        self._info = {"channel": channel, "device": device.type}
+        return self._info
+
+    def conceal(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Refuse every write until `expose` is called again (see the module's docstring)."""
+        if self._receiver is None:
+            return False
+        self._receiver.concealed = True
+        return True
 
     def register_buffer(self, buffer: torch.Tensor) -> None:
         self._buffers.add(buffer)
