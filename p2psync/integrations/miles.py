@@ -130,7 +130,12 @@ class P2PSyncUpdateWeight:
     ) -> None:
         """Connect (again) to the engines; collective. The lock is not needed: nothing is broadcast."""
         self.rollout_engines = rollout_engines
-        self._ensure_session().connect(self.engine_ids(rollout_engines))
+        session = self._ensure_session()
+        session.connect(self.engine_ids(rollout_engines))
+        # A label an engine served names those weights alone: an updater made anew (a restarted
+        # trainer, slime's next updater) counts on from the newest version the engines serve.
+        served = [int(v) for v in session.served_versions().values() if v is not None and v.isdigit()]
+        self.weight_version = max([self.weight_version, *served])
 
     def update_weights(self) -> None:
         """Pause, write every engine rank's bytes, verify if asked, set the version, resume; collective."""

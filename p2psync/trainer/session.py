@@ -109,6 +109,18 @@ class Session:
         """This rank's connection and last update, in one snapshot."""
         return snapshot(self._conn, self._mode, self._last.clock if self._last else None)
 
+    def served_versions(self) -> dict[str, str | None]:
+        """The version each connected engine serves now (its first rank's; None: unknown or not
+        serving one): where a framework that numbers its updates continues its count, since a
+        label an engine served names those weights alone. Asks every engine (no collective)."""
+        if self._conn is None:
+            raise P2PSyncError("served_versions before connect")
+        versions: dict[str, str | None] = {}
+        for engine, control in self._conn.controls.items():
+            held = control.held()
+            versions[engine] = held[min(held)][0] if held else None
+        return versions
+
     def connect(self, engines: Sequence[str]) -> ConnectReport:
         """Read the engines' target tables, build layouts and the plan, open transport peers.
 
