@@ -31,9 +31,8 @@ class Presence:
     where a new store lacks it."""
 
     def __init__(self, rendezvous: Rendezvous, table: Callable[[], TargetTable | None], every: float = EVERY) -> None:
-        self._rendezvous = Rendezvous(
-            host=rendezvous.host, port=rendezvous.port, job_id=rendezvous.job_id, timeout=rendezvous.timeout,
-            token=rendezvous.token(),
+        self._rendezvous = Rendezvous(  # the store's keys only: it needs no token
+            host=rendezvous.host, port=rendezvous.port, job_id=rendezvous.job_id, timeout=rendezvous.timeout
         )
         self._table = table
         self.every = every
