@@ -165,22 +165,19 @@ class P2PSyncUpdateWeight:
     def _ensure_session(self) -> Session:
         if self._session is not None:
             return self._session
-        from ..adapters.ray import RAY, rendezvous_at
+        from ..adapters.ray import rendezvous_at
         from ..trainer import collectives
         from ..core.plugins import registry
-        from ..core.rendezvous import Rendezvous
         from ..trainer.options import DEFAULT_BUCKET_BYTES, SessionOptions
         from ..trainer.session import Session
 
         address = setting(self.args, "rendezvous")
         if not address:
             raise ValueError("p2psync: set args.p2psync_rendezvous or $P2PSYNC_RENDEZVOUS to host:port or 'ray'")
-        job_id = setting(self.args, "job_id")
-        if address != RAY and collectives.world_rank() == 0 and setting(self.args, "host_rendezvous"):
-            host, _, port = str(address).rpartition(":")
-            rendezvous = Rendezvous(host=host or "127.0.0.1", port=int(port), job_id=job_id, is_server=True)
-        else:  # the job's rendezvous actor, or a store another process hosts
-            rendezvous = rendezvous_at(str(address), job_id=job_id)
+        rendezvous = rendezvous_at(
+            str(address), job_id=setting(self.args, "job_id"),
+            host_it=collectives.world_rank() == 0 and setting(self.args, "host_rendezvous"),
+        )
         if self._source is None:
             self._source = self._build_source(registry().trainer_source(setting(self.args, "source")))
         options = SessionOptions(  # miles' and slime's arguments, as p2psync's options

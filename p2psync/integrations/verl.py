@@ -219,17 +219,12 @@ class P2PSyncCheckpointEngine(CheckpointEngine):
 
     def _rendezvous(self) -> Rendezvous:
         if self._rdzv is None:
-            from ..adapters.ray import RAY, rendezvous_at
-            from ..core.rendezvous import Rendezvous
+            from ..adapters.ray import rendezvous_at
 
-            if self.address != RAY and self.role == "actor" and self.is_master and self.host_rendezvous:
-                host, _, port = self.address.rpartition(":")
-                self._rdzv = Rendezvous(
-                    host=host or "127.0.0.1", port=int(port), job_id=self.job_id, is_server=True,
-                    timeout=self.rendezvous_timeout,
-                )
-            else:
-                self._rdzv = rendezvous_at(self.address, job_id=self.job_id, timeout=self.rendezvous_timeout)
+            self._rdzv = rendezvous_at(
+                self.address, job_id=self.job_id, timeout=self.rendezvous_timeout,
+                host_it=self.role == "actor" and self.is_master and self.host_rendezvous,
+            )
         return self._rdzv
 
     def _own_engine_id(self) -> str:

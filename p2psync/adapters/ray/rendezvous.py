@@ -5,8 +5,8 @@ trainers and engines as Ray actors: engines start first and outlive trainer rest
 rendezvous is an actor of its own, `p2psync-rendezvous-<job id>` in namespace "p2psync",
 made by whichever process of the job asks first (`get_if_exists`) and found by name by the
 rest. It runs on the head node, which lives as long as the cluster (not beside an engine or a
-trainer whose node may go), and hosts the store on that node's address, and hands out the job's token with it: the
-token travels over Ray's own authenticated channel, never through the store. Each process
+trainer whose node may go), hosts the store on that node's address, and hands out the job's
+token with it: the token travels over Ray's own authenticated channel, never through the store. Each process
 that asks sets `$P2PSYNC_TOKEN` (where unset) so that the processes it starts itself (an
 sglang server's schedulers) hold it too.
 """
@@ -32,14 +32,20 @@ ACTOR_NAME = "p2psync-rendezvous-{}"
 HEAD_NODE = "node:__internal_head__"
 
 
-def rendezvous_at(address: str, *, job_id: str, timeout: float = 60.0, patient: bool = False) -> Rendezvous:
-    """A client of the job's rendezvous at `address`: "host:port", or "ray" (`job_rendezvous`)."""
+def rendezvous_at(
+    address: str, *, job_id: str, timeout: float = 60.0, patient: bool = False, host_it: bool = False
+) -> Rendezvous:
+    """The job's rendezvous at `address`: "host:port" (hosted in this process where `host_it`
+    says, as trainer rank 0 does on one machine; else a client), or "ray" (`job_rendezvous`:
+    the actor hosts it, whatever `host_it` says)."""
     if address == RAY:
         return job_rendezvous(job_id, timeout=timeout, patient=patient)
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"a rendezvous address is 'host:port' or {RAY!r}, got {address!r}")
-    return Rendezvous(host=host or "127.0.0.1", port=int(port), job_id=job_id, timeout=timeout, patient=patient)
+    return Rendezvous(
+        host=host or "127.0.0.1", port=int(port), job_id=job_id, timeout=timeout, patient=patient, is_server=host_it
+    )
 
 
 def job_rendezvous(job_id: str, *, timeout: float = 60.0, patient: bool = False) -> Rendezvous:
