@@ -31,6 +31,13 @@ pytestmark = [
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT = int(os.environ.get("P2PSYNC_VERL_TIMEOUT", "1200"))
+#: The job in the namespace `unshare -n` made, then every process left in it ended by pid (Ray's
+#: raylet, GCS and workers; never `ray stop`, which ends Ray processes machine-wide).
+JOB_IN_NAMESPACE = (
+    'ip link set lo up; "$0" -m tests.verl_ray.scenario "$1"; rc=$?; me=$(readlink /proc/$$/ns/net); '
+    'for p in /proc/[0-9]*; do pid=${p#/proc/}; [ "$pid" != $$ ] && [ "$(readlink $p/ns/net 2>/dev/null)" = "$me" ] '
+    '&& kill -9 "$pid" 2>/dev/null; done; exit $rc'
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +45,7 @@ def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("verl_manager")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
                RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", SGLANG_HOST_IP="127.0.0.1", MOONCAKE_PROTOCOL="tcp")
-    cmd = ["unshare", "-n", "bash", "-c", 'ip link set lo up && exec "$0" -m tests.verl_ray.scenario "$1"',
-           sys.executable, str(out)]
+    cmd = ["unshare", "-n", "bash", "-c", JOB_IN_NAMESPACE, sys.executable, str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=TIMEOUT)
     (out / "job.log").write_text(proc.stdout)
