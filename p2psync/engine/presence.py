@@ -38,7 +38,6 @@ class Presence:
         self.every = every
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="p2psync-presence", daemon=True)
-        self.republished = 0  # times the table was published again
 
     def start(self) -> None:
         self._thread.start()
@@ -70,9 +69,7 @@ class Presence:
             gone = False
 
     def _publish_again(self, table: TargetTable) -> None:
-        holder = self._rendezvous.publish(table)
-        if holder is None:
-            self.republished += 1
+        if self._rendezvous.publish(table) is None:
             log.info("%s: published again to the rendezvous at %s (a new store)", _where(table), self._rendezvous.where)
 
 
