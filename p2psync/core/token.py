@@ -38,14 +38,14 @@ def job_token(job_id: str) -> str:
     return _host_token(job_id)
 
 
-def token_dir() -> Path:
+def _token_dir() -> Path:
     return Path(os.environ.get(TOKEN_DIR_ENV) or Path.home() / ".cache" / "p2psync" / "tokens")
 
 
 def _host_token(job_id: str) -> str:
     """This user's token for `job_id` on this host, made once: written to a private temporary
     file and linked into place, so that of processes racing to make it one wins and all read it."""
-    directory = token_dir()
+    directory = _token_dir()
     path = directory / job_id
     token = _read(path)
     if token:
