@@ -18,6 +18,7 @@ connect, naming the fix, instead of dialing its own loopback.
 from __future__ import annotations
 
 import functools
+import importlib
 import ipaddress
 import os
 import socket
@@ -81,9 +82,7 @@ def _ray_node_address() -> str | None:
     ray = sys.modules.get("ray")  # never imported here: only where the job runs under Ray
     if ray is None or not ray.is_initialized():
         return None
-    import ray.util
-
-    return str(ray.util.get_node_ip_address())
+    return str(importlib.import_module("ray.util").get_node_ip_address())
 
 
 def _route_source(host: str) -> str | None:
