@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is not installed")
 
 from tests.helpers.box import run_in_box  # noqa: E402
+from tests.helpers.cache_chaos import run_cache_chaos  # noqa: E402
 from tests.helpers.chaos import run_chaos  # noqa: E402
 
 STEPS = int(os.environ.get("P2PSYNC_CHAOS_STEPS", "100"))
@@ -48,3 +49,10 @@ def test_chaos_schedule_with_network_faults_in_a_cluster_in_a_box(tmp_path):
     script.write_text(IN_A_BOX)
     tried = run_in_box(script, [str(tmp_path), str(STEPS), str(SEED)], timeout=1200)
     assert tried.get("cut") and tried.get("lossy"), tried
+
+
+def test_chaos_schedule_with_poisoned_and_stale_layout_cache_entries(tmp_path):
+    tried = run_cache_chaos(tmp_path, steps=STEPS, seed=SEED)
+    assert tried.get("poisoned") and tried.get("stale") and tried.get("restart"), tried
+    ways = {name for name in tried if name.startswith(("poison ", "wrong "))}
+    assert len(ways) >= 5, f"only {sorted(ways)} of the poisons were drawn"
