@@ -1,5 +1,6 @@
-"""The chaos test (#31): `tests.helpers.chaos`'s seeded schedule of training steps and updates
-with faults, on loopback and in a cluster in a box (where network faults join the others).
+"""The chaos test (#31, #46): `tests.helpers.chaos`'s seeded schedule of training steps and updates
+with faults, on loopback and in a cluster in a box (where network faults join the others), and
+`tests.helpers.cache_chaos`'s of poisoned and stale layout cache entries.
 
 `P2PSYNC_CHAOS_STEPS` (default 100) and `P2PSYNC_CHAOS_SEED` (default a fixed one) choose the
 schedule; a failure names the seed and step.
