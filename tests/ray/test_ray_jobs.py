@@ -1,7 +1,8 @@
 """p2psync in its users' jobs (issue #44): Ray across emulated nodes, each a network namespace
 of its own with a loopback-range address (`p2psync.worlds.raynodes`). The trainers are 2 FSDP2
 actors on node 0, the rollout replicas torch engine actors on nodes 1 and 2, all the example's
-own classes (docs/examples/ray_two_nodes.py, the multi-node guide's). The oracle is outside
+own classes (docs/examples/ray_two_nodes.py, the multi-node guide's); slime's and miles' updaters
+run in stand-ins of their trainer actors with real engine actor handles (tests/ray/slime_job.py). The oracle is outside
 p2psync: SHA-256 of each engine's own state dict against torch's full state dict of the trainer."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from p2psync.worlds.raynodes import RayNodes, address  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "docs" / "examples" / "ray_two_nodes.py"
 SCENARIO = ROOT / "tests" / "ray" / "scenario.py"
+SLIME_JOB = ROOT / "tests" / "ray" / "slime_job.py"
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +89,15 @@ def test_trainer_restart_a_third_replica_and_a_cut_link(nodes):
     assert result["cut"]["equal"] == {"rollout-0": True, "rollout-2": True}
     mended = result["mended"]
     assert mended["report"]["ok"] and all(mended["equal"].values()), mended["report"]["report"]
+
+
+def test_slime_and_miles_updaters_in_trainer_actors_with_real_engine_handles(nodes):
+    """slime's updater for two steps, its trainer actors killed, miles' in new ones for one: each
+    engine, asked through its actor handle as the actors' ci_test asks, serves the updater's
+    version, and its bytes equal torch's full state dict of the trainer."""
+    result, stderr = run_driver(nodes, [str(SLIME_JOB), "--job", "slime"])
+    assert result is not None, stderr
+    steps = [*result["slime"], *result["miles"]]
+    for number, step in enumerate(steps, start=1):
+        assert step["versions"] == [{"updater": str(number), "engines": [str(number)] * 2}] * 2, (number, step)
+        assert step["equal"] == [True, True], (number, step)
