@@ -42,7 +42,8 @@ def _demo(args: argparse.Namespace) -> int:
     )
     print(
         f"p2psync demo: {opts.trainers} FSDP2 trainer ranks -> {opts.engines} torch engines over {opts.transport}, "
-        f"Qwen3-style model '{opts.size}', {opts.updates} updates, device {opts.device}",
+        f"Qwen3-style model '{opts.size}', {opts.updates} updates, device {opts.device}\n"
+        f"  its engines while it runs: p2psync status --rendezvous 127.0.0.1:{opts.rendezvous_port} --job {opts.job_id}",
         flush=True,
     )
     result = run(opts)
@@ -319,6 +320,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     rendezvous.add_argument("--host", help="the address to serve at (default: $P2PSYNC_HOST, else 127.0.0.1)")
     rendezvous.add_argument("--port", type=int, default=29400, help="the port (default 29400; 0: a free one)")
     rendezvous.set_defaults(func=_rendezvous)
+    from .status import add_arguments as _status_arguments, run as _status
+
+    status = sub.add_parser("status", help="a job's engines: each rank's version, whether it serves, its last update")
+    _status_arguments(status)
+    status.set_defaults(func=_status)
     args = parser.parse_args(argv)
     return args.func(args)
 

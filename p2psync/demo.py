@@ -16,6 +16,7 @@ from typing import Any
 
 from .trainer.options import SessionOptions
 from .worlds import ModelSpec, RunResult, WorldOptions, run_world
+from .worlds.launch import free_port
 from .worlds.options import trainer_kind
 
 #: Model sizes: a ~100M-parameter Qwen3-style model for the demo, a tiny one for tests.
@@ -46,6 +47,8 @@ class DemoOptions:
     session: SessionOptions = field(default_factory=lambda: SessionOptions(bucket_bytes=64 << 20, check=True))
     progress: bool = True
     job_id: str = field(default_factory=lambda: f"demo-{os.getpid()}-{int(time.time())}")
+    #: The port of the job's rendezvous on 127.0.0.1, where `p2psync status` finds its engines.
+    rendezvous_port: int = field(default_factory=free_port)
 
 
 def world_options(opts: DemoOptions) -> WorldOptions:
@@ -57,7 +60,7 @@ def world_options(opts: DemoOptions) -> WorldOptions:
         trainers=opts.trainers,
         model=ModelSpec("qwen3", CONFIGS[opts.size]), updates=opts.updates, device=opts.device,
         session=opts.session, generate=True,
-        progress=opts.progress, job_id=opts.job_id,
+        progress=opts.progress, job_id=opts.job_id, rendezvous_port=opts.rendezvous_port,
     )
 
 

@@ -166,6 +166,8 @@ class Rendezvous:
         if held != text.encode():
             return TargetTable.from_json(held)
         self.store.set(f"engine/{table.engine_id}/world_size", str(table.world_size))
+        if self.store.add(f"engine/{table.engine_id}/listed", 1) == 1:  # the job's first table of this engine
+            self.store.set(f"engines/{self.store.add('engines/count', 1) - 1}", table.engine_id)
         log.info(
             "published target table of %s rank %d (incarnation %d, %d parameters)",
             table.engine_id, table.rank, table.incarnation, len(table.params),
@@ -177,6 +179,15 @@ class Rendezvous:
         connecting later wait for its successor instead of reaching a dead rank. A
         table that a successor replaced stays."""
         self.store.compare_set(f"engine/{table.engine_id}/rank/{table.rank}", table.to_json(), "")
+
+    def engine_ids(self) -> list[str]:
+        """Every engine id ever published in the job, in the order first published (withdrawn
+        ones too: `read_engine` tells)."""
+        self._connect("engines/count")
+        if not self.store.check(["engines/count"]):
+            return []
+        count = int(self.store.get("engines/count"))
+        return [self._get(f"engines/{i}", None, self.timeout).decode() for i in range(count)]
 
     def read_engine(self, engine_id: str, timeout: float | None = None) -> list[TargetTable]:
         """Every rank's table of one engine, waiting up to `timeout` for them all to appear."""

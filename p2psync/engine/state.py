@@ -12,6 +12,7 @@ the truth. A successor that replaces the engine (a higher incarnation) retires i
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,8 @@ class EngineState:
     #: The version of the update the trainer gave up on, until the next pause.
     given_up: str | None = None
     retired: bool = False
+    #: When the last update finished here (`time.time()`, for people reading a status), if one did.
+    finished_at: float | None = None
 
     @property
     def serving(self) -> bool:
@@ -73,6 +76,7 @@ class EngineState:
         trainer gave it up."""
         self.check_update(version, "finish")
         self.version, self.updating, self.lease_until, self.stale = version, None, None, None
+        self.finished_at = time.time()
 
     def expire(self, now: float) -> str | None:
         """Mark the update abandoned if its lease ran out by `now`; the reason if it did just now."""
@@ -116,6 +120,7 @@ class EngineState:
     def status(self) -> dict[str, Any]:
         return {
             "version": self.version, "updating": self.updating, "serving": self.serving, "stale": self.stale,
+            "finished_at": self.finished_at,
         }
 
     def _in_progress(self) -> str:

@@ -68,15 +68,17 @@ def launch_worlds(
     trainers: Sequence[Callable[..., None]],
     engine_processes: int | None = None,
     trainer_ranks: Sequence[int] | None = None,
+    port: int = 0,
 ) -> list[WorldOutcome]:
     """Start the engine processes once, then each trainer world in turn (`trainer_ranks[i]`
     processes for `trainers[i]`, default `opts.trainers`), each against the same engines; stop
     the engines. A failed world does not stop the next one; engines that died fail every
-    world after them. `opts.job_id` names the job."""
+    world after them. `opts.job_id` names the job; its rendezvous is at 127.0.0.1:`port` (0: a
+    free port)."""
     from ..core.rendezvous import Rendezvous
 
     ctx = mp.get_context("spawn")
-    server = Rendezvous(host="127.0.0.1", port=0, job_id=opts.job_id, is_server=True)
+    server = Rendezvous(host="127.0.0.1", port=port, job_id=opts.job_id, is_server=True)
     stop = ctx.Event()
     count = opts.engines if engine_processes is None else engine_processes
     engines = [ctx.Process(target=engine, args=(i, opts, server.port, stop), name=f"engine-{i}") for i in range(count)]

@@ -72,6 +72,8 @@ class WorldOptions:
     #: How long trainers wait for the engine ranks to come up.
     startup_timeout: float = 600.0
     job_id: str = field(default_factory=lambda: f"world-{os.getpid()}-{int(time.time())}")
+    #: The port of the job's rendezvous on 127.0.0.1 (0: a free one).
+    rendezvous_port: int = 0
 
     @property
     def transports(self) -> list[str]:

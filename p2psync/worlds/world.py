@@ -62,6 +62,7 @@ def run_world(opts: WorldOptions) -> dict[tuple[str, str], RunResult]:
     outcomes = launch_worlds(
         opts, engine_main, [partial(trainer_main, kind=k) for k in kinds],
         engine_processes=opts.engines * opts.engine_tp, trainer_ranks=[opts.ranks_of(k) for k in kinds],
+        port=opts.rendezvous_port,
     )
     results: dict[tuple[str, str], RunResult] = {}
     for kind, outcome in zip(kinds, outcomes):

@@ -203,7 +203,7 @@ def test_an_abandoned_update_marks_the_engine_stale_until_the_next_update(caplog
         assert status(rendezvous, "e") == {
             "rank": 0, "incarnation": 0, "instance": ANY, "pause_modes": ["wait", "abort"],
             "version": "v0", "updating": "v1", "serving": False,
-            "stale": reason,
+            "stale": reason, "finished_at": ANY,
         }
         assert stale == [reason]
         assert any(r.levelname == "ERROR" and reason in r.getMessage() for r in caplog.records)
@@ -215,7 +215,7 @@ def test_an_abandoned_update_marks_the_engine_stale_until_the_next_update(caplog
         assert status(rendezvous, "e") == {
             "rank": 0, "incarnation": 0, "instance": ANY, "pause_modes": ["wait", "abort"],
             "version": "v2", "updating": None, "serving": True,
-            "stale": None,
+            "stale": None, "finished_at": ANY,
         }
         assert post(url, "generate", token=rendezvous.token(), timeout=5) == {"tokens": [1, 2]}
     finally:
@@ -279,7 +279,7 @@ def test_a_trainer_failing_mid_update_raises_a_p2psync_error_and_the_engine_goes
         assert status(group.rendezvous, "a") == {
             "rank": 0, "incarnation": 0, "instance": ANY, "pause_modes": ["wait", "abort"],
             "version": "v3", "updating": None, "serving": True,
-            "stale": None,
+            "stale": None, "finished_at": ANY,
         }
 
 
