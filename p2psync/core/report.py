@@ -68,6 +68,30 @@ class UpdateReport:
     degraded: list[str] = field(default_factory=list)
     gather_free_bytes: int = 0
     gathered_bytes: int = 0
+    #: Where this trainer rank's update spent its time (its own phases: pause, produce, gather,
+    #: drain, verify, finish, ...), set on each rank once the update ends.
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+
+    def metrics(self, prefix: str = "p2psync/") -> dict[str, float]:
+        """The update as one flat dict of numbers, for the framework's logger (wandb, TensorBoard,
+        verl's metrics): seconds, bytes, GB/s, engines ok and stale, the bytes produced
+        gather-free and from gathers, the delta's changed share, this rank's seconds per phase,
+        and per engine its seconds, bytes, GB/s and whether it took the update (1 or 0)."""
+        nbytes = sum(e.bytes for e in self.engines.values())
+        out = {
+            "seconds": self.seconds, "bytes": float(nbytes), "gbps": nbytes / self.seconds / 1e9 if self.seconds else 0.0,
+            "engines_ok": float(sum(e.ok for e in self.engines.values())), "engines_stale": float(len(self.stale)),
+            "gather_free_bytes": float(self.gather_free_bytes), "gathered_bytes": float(self.gathered_bytes),
+        }
+        if self.compared_elements:
+            out["delta_changed_fraction"] = self.changed_fraction
+        out.update({f"phase/{phase}_seconds": seconds for phase, seconds in self.phase_seconds.items()})
+        for e in self.engines.values():
+            out.update({
+                f"engine/{e.engine_id}/seconds": e.seconds, f"engine/{e.engine_id}/bytes": float(e.bytes),
+                f"engine/{e.engine_id}/gbps": e.gbps, f"engine/{e.engine_id}/ok": float(e.ok),
+            })
+        return {f"{prefix}{key}": value for key, value in out.items()}
 
     @property
     def changed_fraction(self) -> float:

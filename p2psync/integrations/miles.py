@@ -243,10 +243,7 @@ class P2PSyncWeightUpdater(P2PSyncUpdateWeight):
         report, self.last_report = self.last_report, None
         if report is None:
             return {}
-        return {
-            "p2psync/seconds": report.seconds,
-            "p2psync/bytes": float(sum(e.bytes for e in report.engines.values())),
-        }
+        return report.metrics()
 
 
 #: slime shares the interface.

@@ -186,8 +186,7 @@ class P2PSyncCheckpointEngine(CheckpointEngine):
                 self._rendezvous().set(_done_key(name, version), json.dumps({"ok": engine.ok, "error": engine.error}))
         if not report.ok:
             raise RuntimeError(f"p2psync update {version} left engines stale: {report.format()}")
-        nbytes = sum(e.bytes for e in report.engines.values())
-        return {"p2psync/seconds": report.seconds, "p2psync/bytes": float(nbytes)}
+        return report.metrics()
 
     async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         """Wait for the trainer's report on this engine; yield nothing (the bytes are in place)."""

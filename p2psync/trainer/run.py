@@ -151,6 +151,7 @@ class UpdateRun:
         failures.raise_any(self.version, {0: error})
         assert report is not None  # world rank 0 made it, or raise_any raised
         self.clock.lap("finish")
+        report.phase_seconds = dict(self.clock.seconds)
         self.mode.finish(report)
         if leader:
             for note in report.degraded:

@@ -103,7 +103,9 @@ def drive(args: Namespace, model: Any, train_step: Callable[[int], None], gpus_p
 def _check_outcome(out: dict[str, Any]) -> None:
     # miles' updater, made anew, counts on from what the engines serve: label "1" named other weights
     assert out["versions"] == [(["1", "1"], "1"), (["2", "2"], "2"), (["3", "3"], "3")]
-    assert out["metrics"]["p2psync/bytes"] > 0 and out["popped"]
+    metrics = out["metrics"]
+    assert metrics["p2psync/bytes"] > 0 and out["popped"]
+    assert metrics["p2psync/engines_ok"] == 2 and metrics["p2psync/phase/finish_seconds"] > 0, metrics
 
 
 def miles_trainer(rank: int, opts: WorldOptions, port: int, results: Any, kind: str) -> None:

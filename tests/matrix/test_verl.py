@@ -186,7 +186,9 @@ def test_verl_call_order_fsdp2_to_torch_engine_is_bit_exact():
     for step in range(1, UPDATES + 1):
         trained, metrics = got["trainer", step]
         held, info = got["rollout", step]
-        assert metrics["p2psync/bytes"] > 0
+        assert metrics["p2psync/bytes"] > 0 and metrics["p2psync/phase/finish_seconds"] > 0, metrics
+        assert sum(v for k, v in metrics.items() if k.startswith("p2psync/engine/") and k.endswith("/bytes")) == (
+            metrics["p2psync/bytes"]), metrics
         assert info == {"loaded": 0, "version": str(step)}  # nothing re-loaded tensor by tensor
         assert held.keys() == trained.keys()
         for name, data in trained.items():
