@@ -87,3 +87,9 @@ class Layout(ABC):
         """Write the constants `fill` writes for `group` (e.g. zeroed padding), and nothing
         else, into `out`; the regions written. Needed with `copy_runs` only."""
         return []
+
+    def has_constants(self, group: ParamGroup) -> bool:
+        """Whether `fill_constants` writes anything for `group`. A layout that knows says so:
+        the trainer then makes no buffer of the group's size at connect to learn there are
+        none (most groups of a model have none). True, to be safe, by default."""
+        return True

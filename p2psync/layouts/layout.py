@@ -192,6 +192,9 @@ class EngineLayout(Layout):
             return None
         return [run for p in compiled.params for run in block_runs(p.slot.name, p.blocks or (), held)]
 
+    def has_constants(self, group: ParamGroup) -> bool:
+        return any(b.source is None for p in self._groups[group.outputs].params for b in p.blocks or ())
+
     def fill_constants(self, group: ParamGroup, out: torch.Tensor) -> list[Region]:
         compiled = self._groups[group.outputs]
         regions = []

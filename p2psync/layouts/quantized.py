@@ -205,6 +205,9 @@ class QuantizedLayout(Layout):
             return []
         return self.inner.fill_constants(self._inner_of[group.outputs], out)
 
+    def has_constants(self, group: ParamGroup) -> bool:
+        return not self._is_quantized(group) and self.inner.has_constants(self._inner_of[group.outputs])
+
     # -- compile -------------------------------------------------------------------------------
 
     def _is_quantized(self, group: ParamGroup) -> bool:

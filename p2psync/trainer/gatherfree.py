@@ -101,7 +101,7 @@ def compile_packing(
 
     packing = Packing()
     cursor = 0
-    if with_constants:
+    if with_constants and layout.has_constants(group):  # a scratch of the group's size, only where it has any
         scratch = torch.zeros(group.nbytes, dtype=torch.uint8)
         for r in layout.fill_constants(group, scratch):
             packing.constants.append((cursor, scratch[r.buffer_offset : r.buffer_offset + r.nbytes].clone()))

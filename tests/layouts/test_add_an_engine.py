@@ -178,6 +178,28 @@ def test_every_trainer_ranks_packings_rebuild_the_loaders_bytes(world, tp, rank)
         assert torch.equal(data, expected[name].view(-1).view(torch.uint8)), f"{name}: bytes differ from the loader's"
 
 
+def test_only_groups_with_constants_get_a_scratch_of_their_size_at_connect(monkeypatch):
+    """`has_constants` says which copy groups `fill_constants` writes anything for (the oracle:
+    what it writes into a zeroed buffer of the group's size); packing every group makes such a
+    buffer for those alone (a connect at Kimi-K2's size spent most of its time zeroing one for
+    every group)."""
+    sources = {n: t.detach().clone() for n, t in hf_model(0).state_dict().items()}
+    _, _, table = engine_rank(2, 1, sources)
+    layout = ToyTarget().layout(table, specs_of(sources))
+    copies = [g for g in layout.groups() if layout.copy_runs(g, {}) is not None]
+    with_constants = [g for g in copies if layout.fill_constants(g, torch.zeros(g.nbytes, dtype=torch.uint8))]
+    assert with_constants and len(with_constants) < len(copies), "the toy's padded embedding has constants, the rest none"
+    assert [g for g in copies if layout.has_constants(g)] == with_constants
+    filled: list = []
+    real = type(layout).fill_constants
+    monkeypatch.setattr(type(layout), "fill_constants", lambda self, g, out: filled.append(g) or real(self, g, out))
+    whole = {n: [(0, t.numel())] for n, t in sources.items()}
+    params = {p.name: p for p in table.params}
+    for group in copies:
+        compile_packing(layout, group, {n: whole[n] for n in group.inputs}, params, with_constants=True)
+    assert filled == with_constants
+
+
 def test_strided_runs_pack_into_one_copy_and_one_write():
     """The toy splits `o` by columns: from a trainer rank holding whole rows, each row is a run of
     the target; packed back to back they are one strided copy, and, contiguous on the target,

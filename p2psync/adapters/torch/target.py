@@ -70,6 +70,9 @@ class IdentityLayout(Layout):
         (name,) = group.outputs
         return [CopyRun(name, start, name, start, end - start) for start, end in held.get(name, ()) if end > start]
 
+    def has_constants(self, group: ParamGroup) -> bool:
+        return False
+
 
 class TorchEngineTarget(EngineTarget):
     """Engines that run `p2psync.adapters.torch.serve` in each rank."""
