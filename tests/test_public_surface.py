@@ -76,3 +76,15 @@ def test_the_example_plugin_imports_only_the_public_surface():
             elif isinstance(node, ast.Import):
                 for alias in node.names:
                     assert alias.name.split(".")[0] != "p2psync" or alias.name in ("p2psync", "p2psync.conformance")
+
+
+def test_session_keywords_are_typed_as_the_options_fields():
+    """`Session(..., **changes)` is typed by `SessionChanges` (tests/typing/session_options.py shows
+    mypy refusing a misspelt or mistyped option): its keys and types are `SessionOptions`' fields."""
+    import dataclasses
+
+    from p2psync.trainer.options import SessionChanges, SessionOptions
+
+    fields = {f.name: f.type for f in dataclasses.fields(SessionOptions)}
+    keywords = {name: getattr(kind, "__forward_arg__", kind) for name, kind in SessionChanges.__annotations__.items()}
+    assert keywords == fields

@@ -43,7 +43,7 @@ def _sessions(opts: BenchOptions, source: Any, rendezvous: Any) -> tuple[Session
     from ..trainer.options import SessionOptions
     from ..trainer.session import Session
 
-    def make(delta: object, options: SessionOptions) -> Session:
+    def make(delta: bool | dict[str, bool], options: SessionOptions) -> Session:
         return Session(source=source, transport=opts.transport, rendezvous=rendezvous, options=options, delta=delta)
 
     return (make(True, opts.session), make({"prove_baselines": False}, opts.session),

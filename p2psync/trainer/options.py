@@ -7,7 +7,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypedDict, cast
 
 from ..core.options import parse
 from ..core.pause import PauseMode, pause_mode
@@ -129,3 +129,25 @@ class SessionOptions:
         if not changes:
             return base
         return parse(cls, {**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, **changes}, what="Session")
+
+
+class SessionChanges(TypedDict, total=False):
+    """`SessionOptions`' fields as keywords (`Session(..., check=True)`), typed: a misspelt or
+    mistyped option is an error mypy sees (`**changes: Unpack[SessionChanges]`). Kept equal to
+    the dataclass's fields by a test."""
+
+    bucket_bytes: int
+    transfer_timeout: float
+    check: bool
+    token: str | None
+    transport_options: Mapping[str, Any] | None
+    buffer_device: str
+    pin_memory: bool
+    engine_options: Mapping[str, Mapping[str, Any]]
+    update_lease: float | None
+    gather: Literal["auto", "always"]
+    delta: bool | Mapping[str, Any] | DeltaOptions | None
+    layout_cache_dir: str | None
+    pause: PauseMode | Literal["keep"] | None
+    flush_cache: bool
+    strict_connect: bool

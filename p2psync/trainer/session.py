@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, Literal, TypeVar, Unpack, cast
 
 from ..core.errors import ConnectError, P2PSyncError, TrainerLost, UpdateError, VersionError, first_line
 from ..core.exits import CloseAtExit
@@ -30,7 +30,7 @@ from .failures import RankFailures
 from .guards import OneCallAtATime, VersionLabels
 from .liveness import Heartbeat
 from .modes import mode_for
-from .options import SessionOptions
+from .options import SessionChanges, SessionOptions
 from .plan import Plan
 from .run import RunSettings, UpdateRun
 from .stats import SessionStats, snapshot
@@ -58,7 +58,7 @@ class Session:
         rendezvous: Rendezvous,
         options: SessionOptions | Mapping[str, Any] | None = None,
         registry: Registry | None = None,
-        **changes: Any,
+        **changes: Unpack[SessionChanges],
     ) -> None:
         self.options = opts = SessionOptions.of(options, **changes)
         self.registry = registry or default_registry()
