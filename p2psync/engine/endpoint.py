@@ -37,6 +37,7 @@ from ..core.control import ControlServer, Refused
 from ..core.digest import byte_view, digest
 from ..core.host import local_host, node_id
 from ..core.identity import expand_engine_id
+from ..core.logs import identify
 from ..core.errors import P2PSyncError, where
 from ..core.exits import CloseAtExit
 from ..core.memory import device_of
@@ -183,6 +184,7 @@ class EngineEndpoint:
         parameter memory, start serving control calls, claim the engine id and publish
         the table. Raises RendezvousError, having released everything, if a live engine
         holds the id."""
+        identify(job=self.rendezvous.job_id, side=f"engine {self.engine_id}", rank=self.rank)
         if not self.state.serving:
             self.hooks.pause("abort")  # nothing is in flight yet
         self.transport.bind(self.rendezvous)

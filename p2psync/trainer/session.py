@@ -15,6 +15,7 @@ from typing import Any, Literal, TypeVar, Unpack, cast
 
 from ..core.errors import ConnectError, P2PSyncError, TrainerLost, UpdateError, VersionError, first_line
 from ..core.exits import CloseAtExit
+from ..core.logs import identify
 from ..core.pause import PauseMode, pause_mode
 from ..core.plugins import Registry, registry as default_registry
 from ..core.rendezvous import Rendezvous
@@ -69,6 +70,7 @@ class Session:
         self.check = opts.check
         self.token = rendezvous.token() if opts.token is None else opts.token
         self.rank = collectives.world_rank()
+        identify(job=rendezvous.job_id, side="trainer", rank=self.rank)
         self._conn: Connection | None = None
         self._heartbeat = Heartbeat(rendezvous, self.rank, collectives.world_size())
         self._broken: str | None = None  # why update cannot run again

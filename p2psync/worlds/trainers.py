@@ -180,15 +180,16 @@ class SessionConnection:
         if trainer.rank == 0 and opts.progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=opts.updates * self.session.stats().bucket_count, desc="syncing", unit="bucket")
+            self.bar = tqdm(total=opts.updates, desc="syncing", unit="update", disable=None)  # quiet off a terminal
 
     def update(self, version: str) -> UpdateReport:
         bar = self.bar
         if bar is None:
             return self.session.update(version)
 
-        def step(done: int, total: int) -> None:
-            bar.update(1)
+        def step(done: int, total: int) -> None:  # an update's steps: its gather-free parts, then its buckets
+            if done == total:
+                bar.update(1)
 
         return self.session.update(version, progress=step)
 
