@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 NOT_RUN = re.compile(r"^<!-- not run: (.+?) -->$")
 FENCE = re.compile(r"^```(\S*)\s*$")
 
