@@ -42,7 +42,7 @@ from p2psync.core.errors import ControlError
 from p2psync.core.rendezvous import Rendezvous
 from p2psync.worlds import netbox
 from tests.helpers.engines import Place, engines, small_model, train_step, wait_for
-from tests.helpers.intruder import attack
+from tests.helpers.intruder import attack_each
 
 ENGINES = ("a", "b")
 DTYPE = "bfloat16"
@@ -337,12 +337,11 @@ def run_chaos(tmp_path: Path, *, steps: int, seed: int, box: netbox.Box | None =
                     tried["lossy_landed"] += 1
             if intruders.random() < INTRUDER:
                 tried["intruder"] += 1
-                for engine in sorted(alive - {stalled}):
-                    if not _status(group, engine)["serving"]:
-                        continue
-                    rendezvous = group.rendezvous
-                    print(f"chaos {where}: an intruder without the token attacks serving engine {engine}", flush=True)
-                    got = attack(rendezvous.host, rendezvous.port, rendezvous.job_id, engine)
+                targets = [e for e in sorted(alive - {stalled}) if _status(group, e)["serving"]]
+                rendezvous = group.rendezvous
+                print(f"chaos {where}: an intruder without the token attacks serving engines {targets}", flush=True)
+                attacks = attack_each(rendezvous.host, rendezvous.port, rendezvous.job_id, targets) if targets else {}
+                for engine, got in attacks.items():
                     assert got.writes and got.routes, (where, engine, got)
                     refused = not (got.landed or got.read_back or got.leaked or got.answered)
                     assert refused, (where, engine, f"the intruder wrote at {got.landed}, read at {got.read_back}, "

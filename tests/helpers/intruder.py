@@ -64,7 +64,7 @@ def _call(url: str, route: str, token: str | None) -> int:
         return int(exc.code)
 
 
-def _attack(host: str, port: int, job_id: str, engine_id: str, answer: Any) -> None:
+def _attack(host: str, port: int, job_id: str, engine_ids: list[str], answer: Any) -> None:
     os.environ.pop("P2PSYNC_TOKEN", None)
     os.environ.pop("P2PSYNC_TOKEN_FILE", None)
     os.environ["P2PSYNC_TOKEN_DIR"] = tempfile.mkdtemp(prefix="intruder-tokens-")
@@ -74,18 +74,20 @@ def _attack(host: str, port: int, job_id: str, engine_id: str, answer: Any) -> N
     from p2psync.core.host import local_host
     from p2psync.core.rendezvous import Rendezvous
 
-    tables = Rendezvous(host=host, port=port, job_id=job_id, timeout=10).read_engine(engine_id)
-    attack = Attack()
+    rendezvous = Rendezvous(host=host, port=port, job_id=job_id, timeout=10)
+    tables = {engine_id: rendezvous.read_engine(engine_id) for engine_id in engine_ids}
+    attacks = {engine_id: Attack() for engine_id in engine_ids}
     engine = TransferEngine()
     if engine.initialize(local_host(toward=host), "P2PHANDSHAKE", "tcp", "") != 0:
         raise RuntimeError("the intruder's Transfer Engine did not start")
-    largest = max(nbytes for table in tables for _, nbytes in table.writable)
+    largest = max(nbytes for ranks in tables.values() for table in ranks for _, nbytes in table.writable)
     junk = torch.full((largest,), JUNK, dtype=torch.uint8)
     loot = torch.full((largest,), JUNK, dtype=torch.uint8)
     for buffer in (junk, loot):
         if engine.register_memory(buffer.data_ptr(), largest) != 0:
             raise RuntimeError("the intruder could not register its own buffers")
-    for table in tables:
+    for engine_id, table in ((e, t) for e, ranks in tables.items() for t in ranks):
+        attack = attacks[engine_id]
         session = table.transport_info["session"]
         for addr, nbytes in table.writable:
             where = (table.rank, addr)
@@ -97,19 +99,26 @@ def _attack(host: str, port: int, job_id: str, engine_id: str, answer: Any) -> N
         for route in ROUTES:
             for name, token in (("none", None), ("wrong", "0" * 32)):
                 attack.routes[(table.rank, route, name)] = _call(table.control_url, route, token)
-    answer.put(attack)
+    answer.put(attacks)
     answer.close()
     answer.join_thread()  # sent before Mooncake's teardown at exit (which may abort the process)
 
 
 def attack(host: str, port: int, job_id: str, engine_id: str, timeout: float = 120.0) -> Attack:
     """Run one attack on engine `engine_id` from a process of its own; what came of it."""
+    return attack_each(host, port, job_id, [engine_id], timeout)[engine_id]
+
+
+def attack_each(host: str, port: int, job_id: str, engine_ids: list[str], timeout: float = 120.0) -> dict[str, Attack]:
+    """Attack each of `engine_ids` in turn from one process of its own; what came of each."""
     ctx = mp.get_context("spawn")
     answer = ctx.Queue()
-    proc = ctx.Process(target=_attack, args=(host, port, job_id, engine_id, answer), name="intruder", daemon=True)
+    proc = ctx.Process(target=_attack, args=(host, port, job_id, list(engine_ids), answer), name="intruder",
+                       daemon=True)
     proc.start()
     try:
-        return answer.get(timeout=timeout)
+        attacks: dict[str, Attack] = answer.get(timeout=timeout)
+        return attacks
     finally:
         proc.join(10)
         if proc.is_alive():
