@@ -36,16 +36,34 @@ class Refused(Exception):
 
 
 class ControlServer:
-    """Serves `POST /<route>` by calling `handlers[route](json_body)`.
+    """Serves `POST /<route>` by calling `handlers[route](json_body)`, and `GET /<page>` with the
+    text `pages[page]()` returns (its content type the page's first element).
 
-    A request whose token header differs from `token` is refused (403), so only the
-    job the engine joined can drive it.
+    A POST whose token header differs from `token` is refused (403), so only the job the engine
+    joined can drive it. Pages need no token: they must hold nothing a stranger may not read
+    (an engine's metrics).
     """
 
-    def __init__(self, handlers: Mapping[str, Handler], *, host: str = "127.0.0.1", port: int = 0, token: str = "") -> None:
+    def __init__(
+        self, handlers: Mapping[str, Handler], *, host: str = "127.0.0.1", port: int = 0, token: str = "",
+        pages: Mapping[str, tuple[str, Callable[[], str]]] | None = None,
+    ) -> None:
         routes = dict(handlers)
+        texts = dict(pages or {})
 
         class _Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server naming)
+                page = texts.get(self.path.strip("/"))
+                if page is None:
+                    return self._reply(404, {"error": f"no page {self.path!r}"})
+                content_type, text = page
+                data = text().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
             def do_POST(self) -> None:  # noqa: N802 (http.server naming)
                 route = self.path.strip("/")
                 if not hmac.compare_digest(self.headers.get(TOKEN_HEADER, ""), token):

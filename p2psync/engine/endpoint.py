@@ -47,6 +47,7 @@ from .claim import claim
 from .client import PAUSE_MODES_KEY, EndpointControl
 from .fingerprints import HeldWeights
 from .hooks import EndpointOptions, EngineHooks
+from .metrics import CONTENT_TYPE, exposition
 from .patch import PatchArea, default_area_bytes
 from .presence import Presence
 from .state import EngineState
@@ -206,7 +207,8 @@ class EngineEndpoint:
             "fail": self._fail, "label": self._label,
         }
         routes.update({name: self._serving_only(handler) for name, handler in self.hooks.routes.items()})
-        self._server = ControlServer(routes, host=self.host, token=self.token)
+        self._server = ControlServer(routes, host=self.host, token=self.token,
+                                     pages={"metrics": (CONTENT_TYPE, self._metrics)})
         try:
             self.table = claim(
                 self.rendezvous, self._table(), incarnation=self.requested_incarnation, token=self.token
@@ -465,6 +467,11 @@ class EngineEndpoint:
                 raise KeyError(f"no parameter {name!r} on this rank")
             out[name] = digest(byte_view(self.params[name]), spans)
         return {"digests": out}
+
+    def _metrics(self) -> str:
+        labels = {"job": self.rendezvous.job_id, "engine": self.engine_id, "rank": str(self.rank)}
+        with self._lock:
+            return exposition(labels, self.state)
 
     def _info(self, body: dict[str, Any]) -> dict[str, Any]:
         with self._lock:

@@ -37,6 +37,12 @@ class EngineState:
     retired: bool = False
     #: When the last update finished here (`time.time()`, for people reading a status), if one did.
     finished_at: float | None = None
+    #: Updates finished here, and how often the engine went stale (counters for its metrics).
+    updates: int = 0
+    stale_marks: int = 0
+    #: When the update in progress paused the engine, and how long the last one held it paused.
+    paused_at: float | None = None
+    last_update_seconds: float | None = None
 
     @property
     def serving(self) -> bool:
@@ -54,6 +60,7 @@ class EngineState:
         self._refuse_if_retired()
         was_serving = self.serving
         self.updating, self.lease, self.lease_until, self.given_up = version, lease, now + lease, None
+        self.paused_at = now
         return was_serving
 
     def renew(self, version: str, now: float) -> None:
@@ -76,7 +83,9 @@ class EngineState:
         trainer gave it up."""
         self.check_update(version, "finish")
         self.version, self.updating, self.lease_until, self.stale = version, None, None, None
-        self.finished_at = time.time()
+        self.finished_at, self.updates = time.time(), self.updates + 1
+        if self.paused_at is not None:
+            self.last_update_seconds = time.monotonic() - self.paused_at
 
     def expire(self, now: float) -> str | None:
         """Mark the update abandoned if its lease ran out by `now`; the reason if it did just now."""
@@ -86,7 +95,7 @@ class EngineState:
             f"update abandoned at version {self.updating!r} (was serving {self.version!r}): no finish within "
             f"{self.lease:g} s of its start or last renewal; its weights may be mixed"
         )
-        self.lease_until = None
+        self.lease_until, self.stale_marks = None, self.stale_marks + 1
         return self.stale
 
     def fail(self, version: str, reason: str) -> tuple[str, bool]:
@@ -101,20 +110,21 @@ class EngineState:
         was_serving = self.serving
         held = "after it finished here" if finished else f"(was serving {self.version!r})"
         self.stale = f"update {version!r} given up by the trainer {held}: {reason}"
-        self.given_up, self.lease_until = version, None
+        self.given_up, self.lease_until, self.stale_marks = version, None, self.stale_marks + 1
         return self.stale, was_serving
 
     def altered(self, reason: str) -> bool:
         """Its weights changed outside an update (a write its transport could not refuse): stale
         until a later update finishes. True if the engine was serving until now."""
         was_serving = self.serving
-        self.stale = reason
+        self.stale, self.stale_marks = reason, self.stale_marks + 1
         return was_serving
 
     def retire(self, reason: str) -> bool:
         """Replaced for good by a successor; True if the engine was serving until now."""
         was_serving = self.serving
         self.stale, self.retired, self.updating, self.lease_until = reason, True, None, None
+        self.stale_marks += 1
         return was_serving
 
     def status(self) -> dict[str, Any]:
