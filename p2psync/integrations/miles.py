@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass, fields
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -60,24 +61,32 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_DEFAULTS = {
-    "rendezvous": None,
-    "job_id": "rl",
-    "transport": "mooncake",
-    "source": "megatron",
-    "engine_prefix": "rollout-",
-    "host_rendezvous": "1",
-    "check": "0",
-}
+@dataclass(frozen=True)
+class UpdaterSettings:
+    """The updaters' settings, typed: each from `args.p2psync_<name>`, else `$P2PSYNC_<NAME>`
+    (which Ray passes to the actors through its runtime env), else its default."""
 
+    rendezvous: str | None = None
+    job_id: str = "rl"
+    transport: str = "mooncake"
+    source: str = "megatron"
+    engine_prefix: str = "rollout-"
+    host_rendezvous: bool = True
+    check: bool = False
 
-def setting(args: Any, key: str) -> Any:
-    value = getattr(args, f"p2psync_{key}", None)
-    if value is None:
-        value = os.environ.get(f"P2PSYNC_{key.upper()}", _DEFAULTS[key])
-    if key in ("host_rendezvous", "check") and isinstance(value, str):
-        value = value.lower() not in ("0", "false", "no", "")
-    return value
+    @classmethod
+    def of(cls, args: Any) -> UpdaterSettings:
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            value = getattr(args, f"p2psync_{f.name}", None)
+            if value is None:
+                value = os.environ.get(f"P2PSYNC_{f.name.upper()}")
+            if value is None:
+                continue
+            if f.type == "bool" and isinstance(value, str):
+                value = value.lower() not in ("0", "false", "no", "")
+            values[f.name] = value
+        return cls(**values)
 
 
 def megatron_architecture(model_name: str | None) -> str:
@@ -109,6 +118,7 @@ class P2PSyncUpdateWeight:
         if quantization_config:
             log.warning("p2psync: quantization_config is not applied by the trainer; the engine's layout decides the bytes")
         self.args = args
+        self.settings = UpdaterSettings.of(args)
         self.model = model
         self.model_name = model_name
         self.quantization_config = quantization_config
@@ -159,7 +169,7 @@ class P2PSyncUpdateWeight:
             if len(ids) != len(rollout_engines):
                 raise ValueError(f"p2psync_engine_ids names {len(ids)} engines, the framework has {len(rollout_engines)}")
             return list(ids)
-        prefix = setting(self.args, "engine_prefix")
+        prefix = self.settings.engine_prefix
         return [f"{prefix}{i}" for i in range(len(rollout_engines))]
 
     def _ensure_session(self) -> Session:
@@ -171,21 +181,21 @@ class P2PSyncUpdateWeight:
         from ..trainer.options import DEFAULT_BUCKET_BYTES, SessionOptions
         from ..trainer.session import Session
 
-        address = setting(self.args, "rendezvous")
+        settings = self.settings
+        address = settings.rendezvous
         if not address:
             raise ValueError("p2psync: set args.p2psync_rendezvous or $P2PSYNC_RENDEZVOUS to host:port or 'ray'")
         rendezvous = rendezvous_at(
-            str(address), job_id=setting(self.args, "job_id"),
-            host_it=collectives.world_rank() == 0 and setting(self.args, "host_rendezvous"),
+            address, job_id=settings.job_id, host_it=collectives.world_rank() == 0 and settings.host_rendezvous,
         )
         if self._source is None:
-            self._source = self._build_source(registry().trainer_source(setting(self.args, "source")))
+            self._source = self._build_source(registry().trainer_source(settings.source))
         options = SessionOptions(  # miles' and slime's arguments, as p2psync's options
             bucket_bytes=int(getattr(self.args, "update_weight_buffer_size", None) or DEFAULT_BUCKET_BYTES),
-            check=setting(self.args, "check"),
+            check=settings.check,
         )
         self._session = Session(
-            source=self._source, transport=setting(self.args, "transport"), rendezvous=rendezvous, options=options
+            source=self._source, transport=settings.transport, rendezvous=rendezvous, options=options
         )
         return self._session
 

@@ -53,3 +53,18 @@ def test_a_response_across_an_update_records_both_versions_and_their_spans_on_th
     assert sample.weight_versions[-1] == "5" and sample.metadata["weight_version_spans"][-1] == ["5", 19, 21]
     with pytest.raises(ValueError, match="names no weight version"):
         record_weight_versions(sample, {"completion_tokens": 2})
+
+
+def test_settings_are_typed_from_args_then_the_environment_then_defaults(monkeypatch):
+    from p2psync.integrations.miles import UpdaterSettings
+
+    for name in ("RENDEZVOUS", "JOB_ID", "TRANSPORT", "SOURCE", "ENGINE_PREFIX", "HOST_RENDEZVOUS", "CHECK"):
+        monkeypatch.delenv(f"P2PSYNC_{name}", raising=False)
+    assert UpdaterSettings.of(Namespace()) == UpdaterSettings()
+    monkeypatch.setenv("P2PSYNC_RENDEZVOUS", "ray")
+    monkeypatch.setenv("P2PSYNC_CHECK", "1")
+    monkeypatch.setenv("P2PSYNC_HOST_RENDEZVOUS", "false")
+    monkeypatch.setenv("P2PSYNC_JOB_ID", "from-env")
+    got = UpdaterSettings.of(Namespace(p2psync_job_id="from-args", p2psync_source="fsdp2", vocab_size=5))
+    assert got == UpdaterSettings(rendezvous="ray", job_id="from-args", source="fsdp2", host_rendezvous=False,
+                                  check=True)
