@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..core.engine import EngineControl
 from ..core.errors import ConnectError, P2PSyncError, RendezvousError, where
@@ -84,18 +84,21 @@ class Connector:
             return {}
         return {name: shard.ranges for name, shard in shards.items()}
 
-    def prepare(self, conn: Connection, current: Connection | None, held: Sequence[HeldRanges]) -> dict[str, str]:
+    def prepare(
+        self, conn: Connection, current: Connection | None, held: Sequence[HeldRanges],
+        progress: Callable[[int, int], None] | None = None,
+    ) -> dict[str, str]:
         """Check `conn`'s tables and build their layouts (a table the trainer cannot serve fails
         the connect, whether or not its engine answers); then leave out the engines that do not
         answer, the same on every rank (`silent`), and, unless that leaves none or
         `strict_connect` refuses, compile and open the resources of the others, reusing what
-        `current` (the session's connection) has. `held`: every world rank's `local_ranges`.
-        Returns the engines left out, with why."""
+        `current` (the session's connection) has. `held`: every world rank's `local_ranges`;
+        `progress(done, total)`: the layouts at hand. Returns the engines left out, with why."""
         specs, mine = self._all_specs()
         tables = [t for engine_tables in conn.tables.values() for t in engine_tables]
         for table in tables:
             self._check_table(table)
-        layouts = self.layouts.layouts(tables, specs)  # collective: every rank reaches it or none does
+        layouts = self.layouts.layouts(tables, specs, progress)  # collective: every rank reaches it or none does
         conn.layout_counts = self.layouts.counts
         log.info("layouts of %d engine ranks: %s", len(layouts), conn.layout_counts)
         silent, refused = collectives.broadcast(self._silent(conn.tables) if self.rank == 0 else None)

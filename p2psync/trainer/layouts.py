@@ -28,7 +28,7 @@ import logging
 import sys
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import zip_longest
@@ -104,10 +104,14 @@ class LayoutCache:
                 raise ConnectError(f"{where(table.engine_id, table.rank)}: {exc}") from exc
         return self._targets[table.engine]
 
-    def layouts(self, tables: Iterable[TargetTable], specs: Mapping[str, ParamSpec]) -> dict[str, Layout]:
+    def layouts(
+        self, tables: Iterable[TargetTable], specs: Mapping[str, ParamSpec],
+        progress: Callable[[int, int], None] | None = None,
+    ) -> dict[str, Layout]:
         """The layout of each unit of `tables`, from the trainer's HF tensors `specs` (the same
         on every world rank); every later table of a unit must publish the same parameters as
-        the first. Collective over the trainer world where it has more than one rank."""
+        the first. Collective over the trainer world where it has more than one rank.
+        `progress(done, total)` is told, in layouts, as each unit's is at hand."""
         firsts: dict[str, TargetTable] = {}
         for table in tables:
             first = firsts.setdefault(unit_of(table.layout_key_text, table.rank), table)
@@ -116,6 +120,11 @@ class LayoutCache:
         keys = {unit: self._key(table, sources) for unit, table in firsts.items()}
         counts: Counter[str] = Counter()
         out: dict[str, Layout] = {}
+
+        def tell() -> None:
+            if progress is not None:
+                progress(len(out), len(firsts))
+
         for unit, table in firsts.items():
             layout = self._remembered(keys[unit])
             counts["memory"] += layout is not None
@@ -126,12 +135,15 @@ class LayoutCache:
                     self._remember(keys[unit], layout)
             if layout is not None:
                 out[unit] = layout
+                tell()
         if collectives.world_size() > 1:
             self._share(firsts, keys, out, specs, counts)
+            tell()
         for unit, table in firsts.items():  # every unit no other rank compiled
             if unit not in out:
                 out[unit], _ = self._compile(table, keys[unit], specs)
                 counts["compiled"] += 1
+                tell()
         self.counts = LayoutCounts(**counts)
         return {unit: out[unit] for unit in firsts}
 

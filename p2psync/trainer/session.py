@@ -123,7 +123,7 @@ class Session:
             versions[engine] = held[min(held)][0] if held else None
         return versions
 
-    def connect(self, engines: Sequence[str]) -> ConnectReport:
+    def connect(self, engines: Sequence[str], progress: Callable[[int, int], None] | None = None) -> ConnectReport:
         """Read the engines' target tables, build layouts and the plan, open transport peers.
 
         Collective over the trainer world. An engine that is not there to serve (its table
@@ -135,12 +135,13 @@ class Session:
         that cannot be served; nothing is written then, and the session stays as it was
         (still connected as before, or not at all). Layouts and peers of engines that did
         not change are reused. A call while another thread's connect or update runs raises
-        ConcurrentCallError.
+        ConcurrentCallError. `progress(done, total)` is told, in layouts (one per engine rank
+        layout), as each is at hand: compiled, from memory, from disk or from another rank.
         """
         with self._calls.call("connect"):
-            return self._connect(engines)
+            return self._connect(engines, progress)
 
-    def _connect(self, engines: Sequence[str]) -> ConnectReport:
+    def _connect(self, engines: Sequence[str], progress: Callable[[int, int], None] | None = None) -> ConnectReport:
         named_twice = sorted({e for e in engines if list(engines).count(e) > 1})
         if named_twice:
             raise ConnectError(f"engine {named_twice[0]!r} is named twice in connect({list(engines)!r})")
@@ -149,7 +150,9 @@ class Session:
         self._refuse_absent(left_out, tables)
         candidate = Connection(tables)
         held = self._on_every_rank(candidate, self._connector.local_ranges)
-        silent = self._on_every_rank(candidate, lambda: self._connector.prepare(candidate, self._conn, held))[0]
+        silent = self._on_every_rank(
+            candidate, lambda: self._connector.prepare(candidate, self._conn, held, progress)
+        )[0]
         left_out.update(silent)
         if silent:
             try:

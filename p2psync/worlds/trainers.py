@@ -173,7 +173,7 @@ class SessionConnection:
             source=trainer.source, transport=transport, rendezvous=trainer.rendezvous,
             options=opts.session_for(way, pin_memory=resolve(opts.device).pin_buffers),
         )
-        self.session.connect(engine_ids(opts))
+        self.session.connect(engine_ids(opts), progress=_connect_bar() if trainer.rank == 0 and opts.progress else None)
         self.bucket_count = self.session.stats().bucket_count
         self.gather_free_bytes = self.session.stats().gather_free_bytes
         self.bar = None
@@ -340,3 +340,18 @@ def trainer_main(rank: int, opts: WorldOptions, port: int, results: Any, kind: s
     dist.destroy_process_group()
     if rank == 0:
         results.put("done")
+
+
+def _connect_bar() -> Callable[[int, int], None]:
+    """A bar of the connect's layouts (quiet off a terminal), closed once the last is at hand."""
+    from tqdm import tqdm
+
+    bar = tqdm(desc="connecting", unit="layout", disable=None)
+
+    def told(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+        if done == total:
+            bar.close()
+
+    return told

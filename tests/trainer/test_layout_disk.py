@@ -256,3 +256,21 @@ def test_an_adapter_build_is_the_hash_of_its_package_sources(tmp_path):
     assert a == b != c
     shutil.rmtree(tmp_path / "a")
     assert source_hash(str(tmp_path / "a")) == a, "read once per process"
+
+
+@pytest.mark.parametrize("where", ["compiled", "disk"])
+def test_connect_tells_its_progress_in_layouts(tmp_path, built, where):
+    """`connect(progress=)` counts layouts, one per engine rank unit, as each is at hand."""
+    if where == "disk":
+        connect_and_update(tmp_path, tp=4)
+        forget_layouts()
+    told: list[tuple[int, int]] = []
+    cache = str(tmp_path) if where == "disk" else None
+    with toy_session(DictSource(state_of(hf_model(1))), tp=4, layout_cache_dir=cache) as (session, _):
+        forget_layouts()
+        session.connect(["toy-0"], progress=lambda done, total: told.append((done, total)))
+        counts = session.stats().layouts
+    assert told[-1] == (4, 4) and {total for _, total in told} == {4}, told
+    assert [done for done, _ in told] == sorted(done for done, _ in told), told
+    assert counts.compiled + counts.disk + counts.memory == 4
+    assert (counts.disk if where == "disk" else counts.compiled) == 4, counts
