@@ -22,18 +22,46 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"ip": "iproute2", "tc": "iproute2", "iptables-legacy": "iptables"}
 
 
+def unavailable(tools: Sequence[str] = ("ip", "tc")) -> str:
+    """Why the box cannot be made here ("" where it can)."""
+    if os.geteuid() != 0:
+        return "the cluster in a box needs root: a network namespace of its own (CAP_SYS_ADMIN)"
+    for tool in tools:
+        if not any(os.access(f"{d}/{tool}", os.X_OK) for d in ("/usr/sbin", "/sbin", "/usr/bin", "/bin")):
+            return f"the cluster in a box needs `{tool}` (apt-get install {PACKAGES[tool]})"
+    return ""
+
+
+class BoxRun:
+    """`script` (which enters the box itself) running in a fresh interpreter, started now."""
+
+    def __init__(self, script: Path, args: Sequence[str] = (), *, env: dict[str, str] | None = None) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, str(script), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=script.parent,
+            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "UCX_NET_DEVICES": "lo", **(env or {})},
+        )
+
+    def result(self, timeout: float) -> dict:
+        """Its last line of output, as JSON, once it ended well within `timeout`."""
+        try:
+            stdout, stderr = self.process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise
+        assert self.process.returncode == 0, stderr[-4000:]
+        return json.loads(stdout.strip().splitlines()[-1])
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.communicate()
+
+
 def run_in_box(script: Path, args: Sequence[str] = (), *, env: dict[str, str] | None = None,
                timeout: float = 240, tools: Sequence[str] = ("ip", "tc")) -> dict:
     """Run `script` (which enters the box itself, using `tools`) in a fresh interpreter; its
     last line of output, as JSON."""
-    if os.geteuid() != 0:
-        pytest.skip("the cluster in a box needs root: a network namespace of its own (CAP_SYS_ADMIN)")
-    for tool in tools:
-        if not any(os.access(f"{d}/{tool}", os.X_OK) for d in ("/usr/sbin", "/sbin", "/usr/bin", "/bin")):
-            pytest.skip(f"the cluster in a box needs `{tool}` (apt-get install {PACKAGES[tool]})")
-    done = subprocess.run(
-        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout, cwd=script.parent,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "UCX_NET_DEVICES": "lo", **(env or {})},
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    if why := unavailable(tools):
+        pytest.skip(why)
+    return BoxRun(script, args, env=env).result(timeout)

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is not installed")
 
-from tests.helpers.box import run_in_box  # noqa: E402
+from tests.helpers.box import BoxRun, unavailable as box_unavailable  # noqa: E402
 from tests.helpers.cache_chaos import run_cache_chaos  # noqa: E402
 from tests.helpers.chaos import run_chaos  # noqa: E402
 
@@ -38,17 +38,36 @@ if __name__ == "__main__":  # the schedule's processes are spawned: they import 
 """
 
 
-def test_chaos_schedule_keeps_every_serving_engine_on_one_acknowledged_version(tmp_path):
+@pytest.fixture(scope="module")
+def box_schedule(tmp_path_factory):
+    """The schedule in a box, started in a process of its own when first asked for: the two
+    schedules mostly wait (timeouts, restarts), so the loopback one runs beside it. None, with
+    the reason, where the box cannot be made."""
+    if why := box_unavailable():
+        yield None, why
+        return
+    folder = tmp_path_factory.mktemp("chaos-box")
+    script = folder / "chaos_in_a_box.py"
+    script.write_text(IN_A_BOX)
+    run = BoxRun(script, [str(folder), str(STEPS), str(SEED)])
+    try:
+        yield run, ""
+    finally:
+        run.stop()
+
+
+def test_chaos_schedule_keeps_every_serving_engine_on_one_acknowledged_version(tmp_path, box_schedule):
     tried = run_chaos(tmp_path, steps=STEPS, seed=SEED)
     drawn = ("kill_engine", "kill_trainer", "poke", "concurrent", "stall", "late_finish_stopped", "dead_at_connect",
              "intruder")
     assert all(tried.get(fault) for fault in drawn), tried
 
 
-def test_chaos_schedule_with_network_faults_in_a_cluster_in_a_box(tmp_path):
-    script = tmp_path / "chaos_in_a_box.py"
-    script.write_text(IN_A_BOX)
-    tried = run_in_box(script, [str(tmp_path), str(STEPS), str(SEED)], timeout=1200)
+def test_chaos_schedule_with_network_faults_in_a_cluster_in_a_box(box_schedule):
+    run, why = box_schedule
+    if run is None:
+        pytest.skip(why)
+    tried = run.result(timeout=1200)
     assert tried.get("cut") and tried.get("lossy"), tried
 
 
