@@ -43,7 +43,7 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import AsyncGenerator, Generator
+from collections.abc import AsyncGenerator, Generator, Iterable
 from typing import TYPE_CHECKING, Any
 
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
@@ -60,6 +60,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 BACKEND = "p2psync"
+#: The version label of an update verl gives no step number: `update-N`.
+STEP_PREFIX = "update-"
 _attached: list[EngineEndpoint] = []
 
 
@@ -168,7 +170,6 @@ class P2PSyncCheckpointEngine(CheckpointEngine):
         self, weights: Generator[tuple[str, torch.Tensor], None, None], global_steps: int | None = None
     ) -> dict[str, float]:
         assert self._session is not None and self._source is not None, "send_weights before init_process_group"
-        version = self._version(global_steps)
         source, session = self._source, self._session
         if not source.known:
             source.discover(weights)  # first update only: learn names, shapes and dtypes
@@ -178,6 +179,9 @@ class P2PSyncCheckpointEngine(CheckpointEngine):
             if self._connected != self._engines:
                 session.connect(self._engines)
                 self._connected = list(self._engines)
+                if global_steps is None:
+                    self._count_on(session.served_versions().values())
+            version = self._version(global_steps)
             report = session.update(version)
         finally:
             source.drain()
@@ -210,10 +214,18 @@ class P2PSyncCheckpointEngine(CheckpointEngine):
 
     # -- helpers -----------------------------------------------------------------------
 
+    def _count_on(self, served: Iterable[str | None]) -> None:
+        """Without verl's step numbers, count on from the newest `update-N` the engines serve: a
+        label an engine served names those weights alone, so a restarted trainer must not
+        reuse it (its rollout workers, which lived on, count on the same way)."""
+        numbers = [int(v[len(STEP_PREFIX):]) for v in served if v and v.startswith(STEP_PREFIX) and
+                   v[len(STEP_PREFIX):].isdigit()]
+        self._steps = max([self._steps, *numbers])
+
     def _version(self, global_steps: int | None) -> str:
         if global_steps is None:
             self._steps += 1
-            return f"update-{self._steps}"
+            return f"{STEP_PREFIX}{self._steps}"
         return str(global_steps)
 
     def _rendezvous(self) -> Rendezvous:

@@ -204,3 +204,34 @@ def _get(q, procs):
             dead = [p for p in procs if p.exitcode not in (None, 0)]
             if dead:
                 raise RuntimeError(", ".join(f"{p.name} exited with {p.exitcode}" for p in dead)) from None
+
+
+def test_a_restarted_trainer_without_step_numbers_counts_on_from_what_the_engine_serves():
+    """verl may call send_weights without global_steps: the backend labels updates update-N. A
+    trainer restarted against an engine that served update-2 goes on at update-3 (the engine
+    refuses update-1 for other weights), and the engine holds the new trainer's bytes."""
+    usable("engine_targets", "torch")
+    from p2psync.adapters.torch import serve
+    from p2psync.core.rendezvous import Rendezvous
+
+    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="verl-restart", is_server=True, timeout=30)
+    served = build_model(seed=1)
+    endpoint = serve(served, engine_id="rollout-0", rendezvous=rendezvous, transport="mooncake")
+    try:
+        for world, updates in ((0, 2), (1, 1)):  # a trainer, then the one restarted after it
+            model = build_model(seed=10 + world)
+            engine = _engine(is_master=True, rendezvous=f"127.0.0.1:{rendezvous.port}", job_id="verl-restart",
+                             host_rendezvous=False, transfer_timeout=30, check=True)
+            engine.init_process_group(engines=["rollout-0"])
+            for _ in range(updates):
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(0.25)
+                asyncio.run(engine.send_weights(((n, p.detach()) for n, p in model.named_parameters()),
+                                                global_steps=None))
+            engine.close()
+        assert endpoint.version == "update-3"
+        for name, p in served.named_parameters():
+            assert torch.equal(p.detach(), dict(model.named_parameters())[name].detach()), name
+    finally:
+        endpoint.close()
