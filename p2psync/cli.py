@@ -43,7 +43,8 @@ def _demo(args: argparse.Namespace) -> int:
     print(
         f"p2psync demo: {opts.trainers} FSDP2 trainer ranks -> {opts.engines} torch engines over {opts.transport}, "
         f"Qwen3-style model '{opts.size}', {opts.updates} updates, device {opts.device}\n"
-        f"  its engines while it runs: p2psync status --rendezvous 127.0.0.1:{opts.rendezvous_port} --job {opts.job_id}",
+        f"  its engines while it runs: "
+        f"p2psync status --rendezvous 127.0.0.1:{opts.rendezvous_port} --job {opts.job_id}",
         flush=True,
     )
     result = run(opts)

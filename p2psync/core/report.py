@@ -79,7 +79,8 @@ class UpdateReport:
         and per engine its seconds, bytes, GB/s and whether it took the update (1 or 0)."""
         nbytes = sum(e.bytes for e in self.engines.values())
         out = {
-            "seconds": self.seconds, "bytes": float(nbytes), "gbps": nbytes / self.seconds / 1e9 if self.seconds else 0.0,
+            "seconds": self.seconds, "bytes": float(nbytes),
+            "gbps": nbytes / self.seconds / 1e9 if self.seconds else 0.0,
             "engines_ok": float(sum(e.ok for e in self.engines.values())), "engines_stale": float(len(self.stale)),
             "gather_free_bytes": float(self.gather_free_bytes), "gathered_bytes": float(self.gathered_bytes),
         }

@@ -39,7 +39,8 @@ class BoxRun:
         self.process = subprocess.Popen(
             [sys.executable, str(script), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             cwd=script.parent,
-            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "UCX_NET_DEVICES": "lo", **(env or {})},
+            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "UCX_NET_DEVICES": "lo",
+                 **(env or {})},
         )
 
     def result(self, timeout: float) -> dict:

@@ -188,7 +188,7 @@ def test_only_groups_with_constants_get_a_scratch_of_their_size_at_connect(monke
     layout = ToyTarget().layout(table, specs_of(sources))
     copies = [g for g in layout.groups() if layout.copy_runs(g, {}) is not None]
     with_constants = [g for g in copies if layout.fill_constants(g, torch.zeros(g.nbytes, dtype=torch.uint8))]
-    assert with_constants and len(with_constants) < len(copies), "the toy's padded embedding has constants, the rest none"
+    assert with_constants and len(with_constants) < len(copies), "the padded embedding has constants, the rest none"
     assert [g for g in copies if layout.has_constants(g)] == with_constants
     filled: list = []
     real = type(layout).fill_constants

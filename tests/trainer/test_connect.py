@@ -87,7 +87,8 @@ def test_a_dead_engine_is_left_out_by_name_and_rejoins_once_it_answers(engine_gr
         assert (connected.engines, list(connected.left_out)) == (["a", "c"], ["b"])
         assert connected.left_out["b"].startswith("it does not answer (killed, stopped or cut off): engine 'b' rank 0")
         (said,) = [r.getMessage() for r in caplog.records]
-        assert said.startswith(f"[job {engine_group.rendezvous.job_id} trainer 0] engine b left out of this connect: i"), said
+        who = f"[job {engine_group.rendezvous.job_id} trainer 0]"
+        assert said.startswith(f"{who} engine b left out of this connect: i"), said
         report = session.update("v2")
         assert report.ok and sorted(report.engines) == ["a", "c"], report.format()
         table = engine_group.rendezvous.read_engine("a")[0]
