@@ -111,13 +111,12 @@ def run(args: argparse.Namespace) -> int:
     except P2PSyncError as exc:
         print(f"p2psync status: {exc}", file=sys.stderr)
         return 2
+    if not ranks:
+        print(f"job {args.job!r} at {args.rendezvous}: no engine has published a table")
+        return 2
     if args.json:
         for r in ranks:
             print(json.dumps({**asdict(r), "state": r.state}))
-    elif ranks:
-        print(format_status(ranks))
     else:
-        print(f"job {args.job!r} at {args.rendezvous}: no engine has published a table")
-    if not ranks:
-        return 2
+        print(format_status(ranks))
     return 0 if all(r.serving for r in ranks) else 1

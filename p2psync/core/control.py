@@ -57,12 +57,7 @@ class ControlServer:
                 if page is None:
                     return self._reply(404, {"error": f"no page {self.path!r}"})
                 content_type, text = page
-                data = text().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                self._send(200, content_type, text().encode())
 
             def do_POST(self) -> None:  # noqa: N802 (http.server naming)
                 route = self.path.strip("/")
@@ -81,9 +76,11 @@ class ControlServer:
                 self._reply(200, result)
 
             def _reply(self, status: int, body: dict[str, Any]) -> None:
-                data = json.dumps(body).encode()
+                self._send(status, "application/json", json.dumps(body).encode())
+
+            def _send(self, status: int, content_type: str, data: bytes) -> None:
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)

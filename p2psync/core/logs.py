@@ -98,9 +98,9 @@ def _record(*args: Any, **kwargs: Any) -> logging.LogRecord:
     """Every record carries `p2psync_who`; p2psync's own say who in their message where the
     application's format cannot."""
     record = _make_record(*args, **kwargs)
-    record.p2psync_who = who()
+    record.p2psync_who = name = who()
     if not _own_format and _who and (record.name == "p2psync" or record.name.startswith("p2psync.")):
-        record.msg, record.args = f"[{who()}] {record.getMessage()}", ()
+        record.msg, record.args = f"[{name}] {record.getMessage()}", ()
     return record
 
 

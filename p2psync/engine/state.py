@@ -91,12 +91,11 @@ class EngineState:
         """Mark the update abandoned if its lease ran out by `now`; the reason if it did just now."""
         if self.lease_until is None or now < self.lease_until or self.stale is not None:
             return None
-        self.stale = (
+        self.lease_until = None
+        return self._mark_stale(
             f"update abandoned at version {self.updating!r} (was serving {self.version!r}): no finish within "
             f"{self.lease:g} s of its start or last renewal; its weights may be mixed"
         )
-        self.lease_until, self.stale_marks = None, self.stale_marks + 1
-        return self.stale
 
     def fail(self, version: str, reason: str) -> tuple[str, bool]:
         """The trainer gave up on the update to `version` (`reason`: a failed check, failed
@@ -109,23 +108,27 @@ class EngineState:
             raise Refused(f"fail of version {version!r}, but {self._in_progress()}")
         was_serving = self.serving
         held = "after it finished here" if finished else f"(was serving {self.version!r})"
-        self.stale = f"update {version!r} given up by the trainer {held}: {reason}"
-        self.given_up, self.lease_until, self.stale_marks = version, None, self.stale_marks + 1
-        return self.stale, was_serving
+        self.given_up, self.lease_until = version, None
+        return self._mark_stale(f"update {version!r} given up by the trainer {held}: {reason}"), was_serving
 
     def altered(self, reason: str) -> bool:
         """Its weights changed outside an update (a write its transport could not refuse): stale
         until a later update finishes. True if the engine was serving until now."""
         was_serving = self.serving
-        self.stale, self.stale_marks = reason, self.stale_marks + 1
+        self._mark_stale(reason)
         return was_serving
 
     def retire(self, reason: str) -> bool:
         """Replaced for good by a successor; True if the engine was serving until now."""
         was_serving = self.serving
-        self.stale, self.retired, self.updating, self.lease_until = reason, True, None, None
-        self.stale_marks += 1
+        self.retired, self.updating, self.lease_until = True, None, None
+        self._mark_stale(reason)
         return was_serving
+
+    def _mark_stale(self, reason: str) -> str:
+        """Out of serving for `reason` until a later update finishes; counted for the metrics."""
+        self.stale, self.stale_marks = reason, self.stale_marks + 1
+        return reason
 
     def status(self) -> dict[str, Any]:
         return {

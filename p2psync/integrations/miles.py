@@ -144,8 +144,7 @@ class P2PSyncUpdateWeight:
         session.connect(self.engine_ids(rollout_engines))
         # A label an engine served names those weights alone: an updater made anew (a restarted
         # trainer, slime's next updater) counts on from the newest version the engines serve.
-        served = [int(v) for v in session.served_versions().values() if v is not None and v.isdigit()]
-        self.weight_version = max([self.weight_version, *served])
+        self.weight_version = max(self.weight_version, session.served_count())
 
     def update_weights(self) -> None:
         """Pause, write every engine rank's bytes, verify if asked, set the version, resume; collective."""

@@ -43,7 +43,7 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import AsyncGenerator, Generator, Iterable
+from collections.abc import AsyncGenerator, Generator
 from typing import TYPE_CHECKING, Any
 
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
@@ -179,8 +179,8 @@ class P2PSyncCheckpointEngine(CheckpointEngine):
             if self._connected != self._engines:
                 session.connect(self._engines)
                 self._connected = list(self._engines)
-                if global_steps is None:
-                    self._count_on(session.served_versions().values())
+                if global_steps is None:  # a label an engine served names those weights alone: count on
+                    self._steps = max(self._steps, session.served_count(STEP_PREFIX))
             version = self._version(global_steps)
             report = session.update(version)
         finally:
@@ -213,14 +213,6 @@ class P2PSyncCheckpointEngine(CheckpointEngine):
             self._session = None
 
     # -- helpers -----------------------------------------------------------------------
-
-    def _count_on(self, served: Iterable[str | None]) -> None:
-        """Without verl's step numbers, count on from the newest `update-N` the engines serve: a
-        label an engine served names those weights alone, so a restarted trainer must not
-        reuse it (its rollout workers, which lived on, count on the same way)."""
-        numbers = [int(v[len(STEP_PREFIX):]) for v in served if v and v.startswith(STEP_PREFIX) and
-                   v[len(STEP_PREFIX):].isdigit()]
-        self._steps = max([self._steps, *numbers])
 
     def _version(self, global_steps: int | None) -> str:
         if global_steps is None:

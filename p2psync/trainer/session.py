@@ -123,6 +123,12 @@ class Session:
             versions[engine] = held[min(held)][0] if held else None
         return versions
 
+    def served_count(self, prefix: str = "") -> int:
+        """The highest N among the versions the connected engines serve that read `<prefix>N`
+        (0 if none): where a framework that labels its updates by a count goes on counting."""
+        counts = [v[len(prefix):] for v in self.served_versions().values() if v and v.startswith(prefix)]
+        return max([0, *(int(c) for c in counts if c.isdigit())])
+
     def connect(self, engines: Sequence[str], progress: Callable[[int, int], None] | None = None) -> ConnectReport:
         """Read the engines' target tables, build layouts and the plan, open transport peers.
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from argparse import Namespace
 
 import ray
@@ -63,7 +64,7 @@ class RolloutEngine:
 
         torch.set_num_threads(1)
         self.model = ex.tiny_model(seed=1)
-        rendezvous = rendezvous_at("ray", job_id=_environment("P2PSYNC_JOB_ID"), patient=True)
+        rendezvous = rendezvous_at("ray", job_id=os.environ["P2PSYNC_JOB_ID"], patient=True)
         self.endpoint = serve(self.model, engine_id="rollout-{replica}", rendezvous=rendezvous, transport="mooncake")
 
     def get_weight_version(self) -> str | None:
@@ -71,12 +72,6 @@ class RolloutEngine:
 
     def state(self) -> dict[str, str]:
         return ex.sha256(self.model.state_dict())
-
-
-def _environment(name: str) -> str:
-    import os
-
-    return os.environ[name]
 
 
 @ray.remote(num_cpus=1)
