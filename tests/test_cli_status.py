@@ -4,12 +4,19 @@ report of the update, never the status code's view of them."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
+import re
 import signal
+import struct
 import subprocess
 import sys
+import termios
+import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -74,15 +81,10 @@ def test_an_engine_waiting_for_its_first_update_says_so_and_a_job_without_engine
 
 
 def test_status_lists_the_demos_engines_with_their_versions_while_it_runs():
-    demo = subprocess.Popen(
-        [sys.executable, "-m", "p2psync.cli", "demo", "--size", "tiny", "--updates", "400"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
-    )
+    """Run on a terminal, the demo also shows its bars: the connect in layouts, the updates in bytes."""
+    demo, told = _on_a_terminal([sys.executable, "-m", "p2psync.cli", "demo", "--size", "tiny", "--updates", "400"])
     try:
-        command = ""
-        while "p2psync status" not in command:
-            command = demo.stdout.readline()
-            assert command, "the demo ended without saying how to ask its status"
+        command = told.wait_for(lambda text: "p2psync status" in text, "how to ask its status")
         words = command.split("p2psync status", 1)[1].split()
         address, job = words[words.index("--rendezvous") + 1], words[words.index("--job") + 1]
         host, port = address.rsplit(":", 1)
@@ -96,6 +98,55 @@ def test_status_lists_the_demos_engines_with_their_versions_while_it_runs():
             time.sleep(0.5)
         assert [r.engine_id for r in seen] == ["engine-0", "engine-1"], seen
         assert all(r.state == "serving" and r.version.startswith("fsdp2/gather-free-") for r in seen), seen
+        # tqdm's bars: "connecting: 100%|...| 1/1 [...layout/s]", "syncing:  3%|...| 418k/41.8M [...kB/s]"
+        told.wait_for(lambda text: re.search(r"connecting: 100%.*\| 1/1 .*layout/s", text), "a connect bar in layouts")
+        told.wait_for(lambda text: re.search(r"syncing: .*\| [0-9.]+k/[0-9.]+M .*B/s", text), "a sync bar in bytes")
     finally:
         os.killpg(demo.pid, signal.SIGKILL)  # the demo and its engine and trainer processes
         demo.wait(30)
+
+
+class Terminal:
+    """What a process wrote to its terminal, read as it comes (a reader that falls behind
+    would block the writer: a terminal's buffer is small)."""
+
+    def __init__(self, master: int) -> None:
+        self.master, self.more = master, threading.Condition()
+        self.lines: list[str] = [""]  # the last one still being written
+        self.closed = False
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        while not self.closed:
+            try:
+                chunk = os.read(self.master, 65536).decode(errors="replace")
+            except OSError:  # the process and its children closed the terminal
+                chunk = ""
+            with self.more:
+                *done, rest = re.split(r"[\r\n]", self.lines.pop() + chunk)
+                self.lines += [*done, rest]
+                self.closed = not chunk
+                self.more.notify_all()
+
+    def wait_for(self, wanted: Callable[[str], object], what: str, timeout: float = 120) -> str:
+        """The first line `wanted` accepts; fails naming `what` was not written."""
+        deadline, checked = time.monotonic() + timeout, 0
+        with self.more:
+            while True:
+                for line in self.lines[checked:]:
+                    if wanted(line):
+                        return line
+                checked = len(self.lines) - 1  # the last line may grow
+                if self.closed:
+                    pytest.fail(f"the process ended without writing {what}: {self.lines[-40:]}")
+                if not self.more.wait(max(0.0, deadline - time.monotonic())):
+                    pytest.fail(f"no {what} in {timeout} s: {self.lines[-40:]}")
+
+
+def _on_a_terminal(command: list[str]) -> tuple[subprocess.Popen[bytes], Terminal]:
+    """`command` started on a terminal of its own, 120 columns wide."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a new one has 0 columns
+    process = subprocess.Popen(command, stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
+    os.close(slave)
+    return process, Terminal(master)

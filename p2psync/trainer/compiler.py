@@ -82,6 +82,12 @@ class Compiled:
     def largest_group_bytes(self) -> int:
         return max((g.nbytes for units in self.work for _, groups in units for g in groups), default=0)
 
+    def step_bytes(self) -> list[int]:
+        """The bytes this rank produces in each step of an update: each unit it sends
+        gather-free, then each bucket it gathers."""
+        packed = [sum(p.nbytes for p in packings) for _, packings in self.packed]
+        return packed + [sum(g.nbytes for _, groups in units for g in groups) for units in self.work]
+
     @property
     def gather_free_bytes(self) -> tuple[int, int]:
         """Bytes of one update sent gather-free, and produced from gathered tensors (per unit)."""

@@ -58,20 +58,23 @@ WriteStatus = dict[str, tuple[dict[int, int], float, str | None]]
 
 @dataclass
 class Steps:
-    """The caller's `progress(done, total)`, told after each step of an update."""
+    """An update's steps (each unit this rank sends gather-free, then each bucket it gathers),
+    and the caller's `progress(done, total)`, told after each in bytes this rank produces."""
 
     progress: Callable[[int, int], None] | None
-    total: int
+    sizes: list[int]
     count: int = 0
+    produced: int = 0
 
     def done(self) -> None:
+        self.produced += self.sizes[self.count]
         self.count += 1
         if self.progress is not None:
-            self.progress(self.count, self.total)
+            self.progress(self.produced, sum(self.sizes))
 
     def next(self, what: str) -> str:
-        """The step about to run, named as `progress` will count it, and `what` it does."""
-        return f"step {self.count + 1} of {self.total} ({what})"
+        """The step about to run, and `what` it does, in words."""
+        return f"step {self.count + 1} of {len(self.sizes)} ({what})"
 
 
 @dataclass
@@ -127,7 +130,7 @@ class UpdateRun:
             if engine in self.failed:
                 writer.fail(self.failed[engine])
 
-        steps = Steps(progress, len(self.compiled.packed) + len(self.compiled.buckets))
+        steps = Steps(progress, self.compiled.step_bytes())
         packed = self._send_gather_free(steps)
         produced = self._send_gathered(steps)
         with failures.guard("waiting for the writes"):

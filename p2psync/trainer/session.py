@@ -222,8 +222,8 @@ class Session:
 
         Collective over the trainer world. Returns the same report on every rank;
         engines whose writes or checks failed are left paused and listed as stale.
-        `progress(done, total)` is called after each step: each unit this rank sends
-        gather-free, then each bucket it gathers. A failure on the trainer
+        `progress(done, total)` is told, in bytes this rank produces for its engines, after
+        each step: each unit it sends gather-free, then each bucket it gathers. A failure on the trainer
         side raises UpdateError on every rank: TrainerRankFailed naming the rank and its
         exception where a rank's own code raised (`progress`, the source), TrainerLost naming
         the ranks that left the world where a collective failed; the engines paused for

@@ -180,16 +180,20 @@ class SessionConnection:
         if trainer.rank == 0 and opts.progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=opts.updates, desc="syncing", unit="update", disable=None)  # quiet off a terminal
+            # In bytes rank 0 produces; its total is known at the first update's first step.
+            self.bar = tqdm(desc="syncing", unit="B", unit_scale=True, unit_divisor=1024, disable=None)
+        self.updates = opts.updates
 
     def update(self, version: str) -> UpdateReport:
         bar = self.bar
         if bar is None:
             return self.session.update(version)
+        start = bar.n
 
-        def step(done: int, total: int) -> None:  # an update's steps: its gather-free parts, then its buckets
-            if done == total:
-                bar.update(1)
+        def step(done: int, total: int) -> None:
+            if bar.total is None:
+                bar.total = total * self.updates
+            bar.update(start + done - bar.n)
 
         return self.session.update(version, progress=step)
 

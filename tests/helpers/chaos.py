@@ -43,6 +43,7 @@ from p2psync.core.rendezvous import Rendezvous
 from p2psync.worlds import netbox
 from tests.helpers.engines import Place, engines, small_model, train_step, wait_for
 from tests.helpers.intruder import attack_each
+from tests.helpers.steps import after_step
 
 ENGINES = ("a", "b")
 DTYPE = "bfloat16"
@@ -128,9 +129,7 @@ def chaos_rank(rank: int, port: int, job_id: str, world: str, state: str, pipe: 
         session = sessions[tuple(key)]
         second: list[str] = []
 
-        def progress(done: int, total: int) -> None:
-            if done != 1:
-                return
+        def fault() -> None:
             if victim == rank:
                 os.kill(os.getpid(), signal.SIGKILL)
             if rank != 0:
@@ -155,7 +154,7 @@ def chaos_rank(rank: int, port: int, job_id: str, world: str, state: str, pipe: 
 
         EndpointControl.finish = stop_first
         try:
-            report = session.update(f"v{step}", progress=progress)
+            report = session.update(f"v{step}", progress=after_step(1, fault))
             outcome = {e: (r.ok, r.error) for e, r in report.engines.items()}
             pipe.send(("updated", outcome, report.degraded, oracle, second, stopped))
         except P2PSyncError as exc:

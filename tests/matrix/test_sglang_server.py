@@ -191,6 +191,7 @@ from p2psync.core.rendezvous import Rendezvous
 from p2psync.integrations.miles import record_weight_versions
 from p2psync.trainer.session import Session
 from p2psync.worlds import TINY_QWEN3, ModelSpec
+from tests.helpers.steps import after_step
 
 port, lease = int(sys.argv[1]), float(sys.argv[2])
 trainer = ModelSpec(config={**TINY_QWEN3, "vocab_size": 256}).build(seed=2)
@@ -199,12 +200,11 @@ session = Session(source=FSDP2Source(trainer), transport="mooncake", rendezvous=
                   transfer_timeout=10, update_lease=lease, gather="always")  # killed between gathered buckets
 session.connect(["server"])
 
-def die(done, total):
-    if done == 3:
-        print("killed after", done, "of", total, "buckets", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+def die():
+    print("killed after 3 buckets", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 
-session.update("v1", progress=die)
+session.update("v1", progress=after_step(3, die))
 """
 
 
@@ -238,7 +238,7 @@ def test_a_trainer_killed_mid_update_leaves_the_server_paused_until_the_next_tra
             [sys.executable, "-c", KILLED_TRAINER, str(rendezvous.port), str(lease)],
             capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
         )
-        assert killed.returncode == -9 and "killed after 3 of" in killed.stdout, killed.stdout + killed.stderr[-3000:]
+        assert killed.returncode == -9 and "killed after 3 buckets" in killed.stdout, killed.stdout + killed.stderr[-3000:]
 
         deadline = time.monotonic() + lease + 60
         while status()["stale"] is None:

@@ -11,6 +11,7 @@ pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is n
 
 import torch  # noqa: E402
 from tests.helpers.engines import engines, small_model, train_step, wait_for  # noqa: E402
+from tests.helpers.steps import after_step  # noqa: E402
 
 from p2psync.adapters.fsdp2 import FSDP2Source  # noqa: E402
 from p2psync.core.control import post  # noqa: E402
@@ -83,10 +84,7 @@ def test_fifty_adamw_updates_stay_bit_exact_through_a_restart_and_two_layout_key
                     start(group, "c", "float8_e4m3fn")
                     session.connect(list(dtypes))
 
-                def kill_b(done: int, total: int, step: int = step) -> None:
-                    if step == 25 and done == 1:
-                        group.kill("b")
-
+                kill_b = after_step(1, lambda: group.kill("b")) if step == 25 else None
                 report = session.update(f"v{step}", progress=kill_b)
                 if step == 25:
                     assert report.stale == ["b"], report.format()

@@ -15,6 +15,7 @@ pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is n
 
 import torch  # noqa: E402
 from tests.helpers.engines import small_model, wait_for  # noqa: E402
+from tests.helpers.steps import after_step  # noqa: E402
 
 from p2psync.adapters.fsdp2 import FSDP2Source  # noqa: E402
 from p2psync.conformance.faults import corrupting  # noqa: E402
@@ -61,12 +62,8 @@ def test_killed_engine_is_stale_and_the_other_resumes(engine_group):
         session.connect(["a", "b"])
         assert session.stats().bucket_count > 2
 
-        def kill_b(done: int, total: int) -> None:
-            if done == 1:
-                engine_group.kill("b")
-
         start = time.monotonic()
-        report = session.update("v1", progress=kill_b)
+        report = session.update("v1", progress=after_step(1, lambda: engine_group.kill("b")))
         elapsed = time.monotonic() - start
 
         assert report.stale == ["b"], report.format()
@@ -110,11 +107,8 @@ def test_stuck_engine_is_stale_and_delays_the_other_by_at_most_one_timeout(engin
         session.connect(["a", "b"])
         assert session.stats().bucket_count > 2
 
-        def stick_b(done: int, total: int) -> None:
-            transport.stuck = done >= 1
-
         start = time.monotonic()
-        report = session.update("v1", progress=stick_b)
+        report = session.update("v1", progress=after_step(1, lambda: setattr(transport, "stuck", True)))
         elapsed = time.monotonic() - start
 
         assert report.stale == ["b"], report.format()

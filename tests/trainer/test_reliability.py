@@ -30,6 +30,7 @@ pytest.importorskip("mooncake.engine", reason="Mooncake (p2psync[mooncake]) is n
 
 import torch  # noqa: E402
 from tests.helpers.engines import RecordingTransport, engines, small_model, wait_for  # noqa: E402
+from tests.helpers.steps import after_step  # noqa: E402
 
 from p2psync.adapters.fsdp2 import FSDP2Source  # noqa: E402
 from p2psync.adapters.torch import serve  # noqa: E402
@@ -258,12 +259,11 @@ def test_a_trainer_failing_mid_update_raises_a_p2psync_error_and_the_engine_goes
             session.connect(["a"])
             assert session.update("v1").ok
 
-            def crash(done: int, total: int) -> None:
-                if done == 2:
-                    raise RuntimeError("the trainer crashed")
+            def crash() -> None:
+                raise RuntimeError("the trainer crashed")
 
-            with pytest.raises(UpdateError) as error:  # named as `progress` counts: crashed at done == 2
-                session.update("v2", progress=crash)
+            with pytest.raises(UpdateError) as error:  # named as the steps count: crashed after the second
+                session.update("v2", progress=after_step(2, crash))
             crashed = "RuntimeError in step 2 of 6 (bucket 2 of 6): the trainer crashed"
             assert str(error.value) == f"update 'v2' failed on trainer rank 0: {crashed}"
             assert isinstance(error.value, TrainerRankFailed)
@@ -315,10 +315,7 @@ def trainer_rank(rank: int, port: int, job_id: str, results) -> None:
     report = session.update("v2")
     results.put((rank, "refused", refused, report.ok, sorted(report.engines)))
 
-    def die(done: int, total: int) -> None:
-        if rank == 1 and done == 2:
-            os.kill(os.getpid(), signal.SIGKILL)
-
+    die = after_step(2, lambda: os.kill(os.getpid(), signal.SIGKILL)) if rank == 1 else None
     started = time.monotonic()
     try:
         session.update("v3", progress=die)
@@ -388,9 +385,10 @@ def raising_rank(rank: int, port: int, job_id: str, gather: str, results) -> Non
     session.connect(["a"])
     assert session.update("v1").ok
 
-    def raise_once(done: int, total: int) -> None:
-        if rank == 1 and done == 1:
-            raise RuntimeError("the caller's progress raised")
+    def progress_raises() -> None:
+        raise RuntimeError("the caller's progress raised")
+
+    raise_once = after_step(1, progress_raises) if rank == 1 else None
 
     started = time.monotonic()
     try:
@@ -595,11 +593,12 @@ def ending_rank(rank: int, port: int, job_id: str, case: str, world: str) -> Non
     session.connect(["a"])
     assert session.update(f"{world}-v1").ok
 
-    def fail(done: int, total: int) -> None:
-        if rank == 1 and done == 1:
-            if case == "lost-peer":
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError("the caller's progress raised")
+    def fail_once() -> None:
+        if case == "lost-peer":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError("the caller's progress raised")
+
+    fail = after_step(1, fail_once) if rank == 1 else None
 
     try:
         if case == "refused-connect":

@@ -61,6 +61,7 @@ from p2psync.core.control import post
 from p2psync.core.rendezvous import Rendezvous
 from p2psync.trainer.session import Session
 from tests.helpers.engines import small_model
+from tests.helpers.steps import after_step
 TIMEOUT = float(sys.argv[2])
 rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="netfault", is_server=True, timeout=60)
 engines = [subprocess.Popen([sys.executable, sys.argv[1], str(node), str(rendezvous.port)]) for node in (1, 2)]
@@ -86,11 +87,8 @@ try:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
-        def pull_b(done, total):
-            if done == 1:
-                cut(BOX, 2)
         started = time.monotonic()
-        report = session.update("v2", progress=pull_b)
+        report = session.update("v2", progress=after_step(1, lambda: cut(BOX, 2)))
         out["v2"] = {"stale": report.stale, "seconds": time.monotonic() - started, "b": report.engines["b"].error,
                      "a_checked": report.engines["a"].checked}
         mend()
