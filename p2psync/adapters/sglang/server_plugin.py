@@ -6,14 +6,18 @@
   rendezvous actor, `job_id`, `engine_id` (a template such as "rollout-{replica}" takes each
   replica's id from its place in the job: `p2psync.core.identity`), optional `transport`,
   default "mooncake", optional `version` of the weights the server loads, optional
-  `incarnation`), each scheduler, once its model is
+  `incarnation`, optional `server_url`: see below), each scheduler, once its model is
   loaded (and its MTP/EAGLE draft worker, if it runs one: the draft's parameters are
   published too), serves p2psync's endpoint over the rank's parameters and publishes its table
   in the rendezvous: for transports sglang does not publish for itself (NIXL) and for
   servers started without sglang's transfer-engine flag. Pausing, cache flushing and
   the weight version then go through the server's own HTTP API (see
-  `target.SglangEngineTarget.control`); the endpoints hold each update's lease and
-  report an abandoned update (their status call).
+  `target.SglangEngineTarget.control`) at `server_url`, by default the one its arguments
+  name (`--host`, `--port`); the endpoints hold each update's lease and report an
+  abandoned update (their status call). `"server_url": null` where the framework pauses
+  and resumes the server around its updates and serves its HTTP API elsewhere (verl
+  0.9: its server actor serves sglang's app on a port of its own, not `--port`): the
+  trainer then pauses the ranks' endpoints only.
 - With `"lora": true` as well, each scheduler serves every LoRA adapter its server holds
   (`--enable-lora`, `--lora-paths name=path`) as an adapter slot of its own, engine id
   `<engine_id>/<name>` (see `lora.serve_lora`): an update lands in the slot's staging copy
@@ -104,11 +108,12 @@ def _serve_rank(model: Any, server_args: Any, model_config: Any, tp_rank: int, d
                     "responses name p2psync's versions until the first update", server_args.weight_version, declared,
                     declared)
     rendezvous = _rendezvous(settings)
-    server_url = f"http://{server_args.host}:{server_args.port}"
+    server_url = settings.get("server_url", f"http://{server_args.host}:{server_args.port}")
     _served.append(
         serve(
             model, server_args, model_config, engine_id=settings["engine_id"], rank=tp_rank,
-            rendezvous=rendezvous, transport=settings.get("transport", "mooncake"), extra={"server_url": server_url},
+            rendezvous=rendezvous, transport=settings.get("transport", "mooncake"),
+            extra={"server_url": server_url} if server_url else None,
             version=settings.get("version"), incarnation=settings.get("incarnation"), draft=draft,
         )
     )
