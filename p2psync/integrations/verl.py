@@ -23,7 +23,9 @@ each engine rank's own bytes straight into its parameter memory.
 Rollout side (verl builds it without `is_master`): the engine's parameters are
 already exposed by a p2psync engine endpoint (the torch, vLLM or sglang adapter)
 in the process that holds them. `receive_weights` waits until the trainer reports
-this engine's update, raises if the engine was left stale, and then yields nothing:
+this engine's update (named by a token `build_topology` gives both sides of each update,
+so that a restarted worker never takes an earlier update's report for this one's), raises
+if the engine was left stale, and then yields nothing:
 the bytes are already in place, so verl's server adapter receives an empty stream
 and loads nothing tensor by tensor (verl 0.9.1's sglang adapter then still flushes
 its cache and records global_steps; its vLLM adapter was not checked). That is the one difference from
@@ -43,6 +45,7 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 from collections.abc import AsyncGenerator, Generator
 from typing import TYPE_CHECKING, Any
 
@@ -70,8 +73,8 @@ def attach(endpoint: EngineEndpoint) -> None:
     _attached[:] = [endpoint]
 
 
-def _done_key(engine_id: str, version: str) -> str:
-    return f"verl/done/{engine_id}/{version}"
+def _done_key(engine_id: str, update: str) -> str:
+    return f"verl/done/{engine_id}/{update}"
 
 
 @CheckpointEngineRegistry.register(BACKEND)
@@ -118,6 +121,7 @@ class P2PSyncCheckpointEngine(CheckpointEngine):
         self._engines: list[str] = []
         self._connected: list[str] | None = None
         self._steps = 0
+        self._update: str | None = None  # this update's token, from build_topology
         self.engine_id: str | None = None
 
     # -- verl's protocol ---------------------------------------------------------------
@@ -139,12 +143,17 @@ class P2PSyncCheckpointEngine(CheckpointEngine):
         ] != ["rollout"] * rollout_world_size:
             raise ValueError(f"p2psync: expected {actor_wg_world_size} actor then {rollout_world_size} rollout metadata")
         engines = list(dict.fromkeys(m["engine_id"] for m in rollouts))
+        update = secrets.token_hex(8)  # verl builds the topology once per update
         return (
-            {"engines": [engines] * actor_wg_world_size},
-            {"engine_id": [m["engine_id"] for m in rollouts]},
+            {"engines": [engines] * actor_wg_world_size, "update": [update] * actor_wg_world_size},
+            {"engine_id": [m["engine_id"] for m in rollouts], "update": [update] * rollout_world_size},
         )
 
-    def init_process_group(self, engines: list[str] | None = None, engine_id: str | None = None, **_: Any) -> None:
+    def init_process_group(
+        self, engines: list[str] | None = None, engine_id: str | None = None, update: str | None = None, **_: Any
+    ) -> None:
+        """`update`: the token both sides name this update's report by (without it, the version label)."""
+        self._update = update
         rendezvous = self._rendezvous()
         if self.role == "actor":
             self._engines = list(engines or [])
@@ -187,21 +196,22 @@ class P2PSyncCheckpointEngine(CheckpointEngine):
             source.drain()
         if self.is_master:
             for name, engine in report.engines.items():
-                self._rendezvous().set(_done_key(name, version), json.dumps({"ok": engine.ok, "error": engine.error}))
+                outcome = {"ok": engine.ok, "error": engine.error, "version": version}
+                self._rendezvous().set(_done_key(name, self._update or version), json.dumps(outcome))
         if not report.ok:
             raise RuntimeError(f"p2psync update {version} left engines stale: {report.format()}")
         return report.metrics()
 
     async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         """Wait for the trainer's report on this engine; yield nothing (the bytes are in place)."""
-        version = self._version(global_steps)
+        update = self._update or self._version(global_steps)
         engine_id = self.engine_id or self._own_engine_id()
         rdzv = self._rendezvous()
-        raw = await asyncio.to_thread(rdzv.get, _done_key(engine_id, version), self.rendezvous_timeout)
-        outcome = json.loads(raw)
+        outcome = json.loads(await asyncio.to_thread(rdzv.get, _done_key(engine_id, update), self.rendezvous_timeout))
         if not outcome["ok"]:
-            raise RuntimeError(f"p2psync: engine {engine_id!r} did not get weights {version}: {outcome['error']}")
-        log.info("engine %s: weights %s written in place by the trainer", engine_id, version)
+            raise RuntimeError(f"p2psync: engine {engine_id!r} did not get weights {outcome['version']}: "
+                               f"{outcome['error']}")
+        log.info("engine %s: weights %s written in place by the trainer", engine_id, outcome["version"])
         return
         yield  # an async generator, as verl expects
 

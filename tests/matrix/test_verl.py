@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import queue
+import time
 
 import pytest
 import torch
@@ -140,8 +141,11 @@ def test_verl_registry_has_p2psync_after_import():
         2, 3, [{"role": "actor", "rank": 0}, {"role": "actor", "rank": 1}]
         + [{"role": "rollout", "engine_id": e} for e in ("a", "a", "b")]
     )
-    assert actor_kwargs == {"engines": [["a", "b"], ["a", "b"]]}
-    assert rollout_kwargs == {"engine_id": ["a", "a", "b"]}
+    update = actor_kwargs["update"][0]
+    assert actor_kwargs == {"engines": [["a", "b"], ["a", "b"]], "update": [update] * 2}
+    assert rollout_kwargs == {"engine_id": ["a", "a", "b"], "update": [update] * 3}
+    again, _ = cls.build_topology(1, 1, [{"role": "actor", "rank": 0}, {"role": "rollout", "engine_id": "a"}])
+    assert again["update"] != [update], "each update's topology names it anew"
 
 
 @pytest.mark.slow
@@ -234,4 +238,61 @@ def test_a_restarted_trainer_without_step_numbers_counts_on_from_what_the_engine
         for name, p in served.named_parameters():
             assert torch.equal(p.detach(), dict(model.named_parameters())[name].detach()), name
     finally:
+        endpoint.close()
+
+
+def test_a_restarted_rollout_worker_waits_for_this_updates_report_not_an_earlier_ones():
+    """verl restarts a rollout worker while the trainer lives on: the new worker knows none of the
+    updates before. It waits for the report of the update verl's topology names (each update's own
+    token), not for an earlier update's (labelled update-1 alike, without verl's step numbers),
+    and returns once the trainer wrote this update, naming its version."""
+    usable("engine_targets", "torch")
+    from p2psync.adapters.torch import serve
+    from p2psync.core.rendezvous import Rendezvous
+    from p2psync.integrations.verl import P2PSyncCheckpointEngine
+
+    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="verl-rollout", is_server=True, timeout=30)
+    address = f"127.0.0.1:{rendezvous.port}"
+    served = build_model(seed=1)
+    endpoint = serve(served, engine_id="rollout-0", rendezvous=rendezvous, transport="mooncake")
+    model = build_model(seed=2)
+    trainer = _engine(is_master=True, rendezvous=address, job_id="verl-rollout", host_rendezvous=False,
+                      transfer_timeout=30)
+
+    def update(rollout) -> tuple[float, float]:
+        """One update as verl's manager runs it; when the rollout side returned and the trainer finished."""
+        meta = [trainer.prepare(), rollout.prepare()]
+        actor_kwargs, rollout_kwargs = P2PSyncCheckpointEngine.build_topology(1, 1, meta)
+        trainer.init_process_group(**{k: v[0] for k, v in actor_kwargs.items()})
+        rollout.init_process_group(**{k: v[0] for k, v in rollout_kwargs.items()})
+
+        async def both() -> tuple[float, float]:
+            async def receive() -> float:
+                async for _ in rollout.receive_weights(global_steps=None):
+                    pass
+                return time.monotonic()
+
+            async def send() -> float:
+                await asyncio.sleep(1.0)  # the trainer comes later than the rollout side
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(0.25)
+                await trainer.send_weights(((n, p.detach()) for n, p in model.named_parameters()))
+                return time.monotonic()
+
+            return tuple(await asyncio.gather(receive(), send()))
+
+        return asyncio.run(both())
+
+    try:
+        received, sent = update(_engine(rendezvous=address, job_id="verl-rollout", engine_id="rollout-0", rendezvous_timeout=30))
+        assert received >= sent and endpoint.version == "update-1"
+        restarted = _engine(rendezvous=address, job_id="verl-rollout", engine_id="rollout-0", rendezvous_timeout=30)
+        received, sent = update(restarted)
+        assert received >= sent, "the restarted rollout worker took an earlier update's report for this one's"
+        assert endpoint.version == "update-2"
+        for name, p in served.named_parameters():
+            assert torch.equal(p.detach(), dict(model.named_parameters())[name].detach()), name
+    finally:
+        trainer.close()
         endpoint.close()
