@@ -45,17 +45,23 @@ def address(node: int) -> str:
 
 
 class RayNodes:
-    """`cpus[i]` logical CPUs on node i (Ray's scheduling only: every node shares the machine's
-    cores); Ray's files under `folder`."""
+    """`cpus[i]` logical CPUs on node i and `gpus[i]` logical GPUs (Ray's scheduling only: every
+    node shares the machine's cores, and a framework that places its workers by GPU places them
+    on CPU engines alike); Ray's files under `folder`."""
 
-    def __init__(self, cpus: Sequence[int], folder: str | Path, *, prefix: str | None = None) -> None:
+    def __init__(
+        self, cpus: Sequence[int], folder: str | Path, *, gpus: Sequence[int] = (), prefix: str | None = None
+    ) -> None:
         if os.geteuid() != 0:
             raise NamespaceError("emulated Ray nodes need root (network namespaces)")
         if not shutil.which("ip"):
             raise NamespaceError("emulated Ray nodes need iproute2 (`ip`)")
         if not 1 <= len(cpus) <= 250:
             raise ValueError(f"1 to 250 nodes, got {len(cpus)}")
+        if len(gpus) not in (0, len(cpus)):
+            raise ValueError(f"gpus names {len(gpus)} nodes, cpus {len(cpus)}")
         self.cpus = list(cpus)
+        self.gpus = list(gpus) or [0] * len(cpus)
         self.folder = Path(folder)
         self.prefix = prefix or f"p2pray{os.getpid()}"
         self.switch = f"{self.prefix}-sw"
@@ -127,6 +133,7 @@ class RayNodes:
         where = ["--head", f"--port={HEAD_PORT}", "--include-dashboard=false"] if i == 0 else [f"--address={self.head}"]
         self._run_in(i, [
             ray, "start", *where, f"--node-ip-address={address(i)}", f"--num-cpus={self.cpus[i]}",
+            f"--num-gpus={self.gpus[i]}",
             f'--resources={{"{resource(i)}": 100}}', "--object-store-memory=83886080",
             f"--temp-dir={self.folder / f'n{i}'}", "--disable-usage-stats",
         ], timeout=120)

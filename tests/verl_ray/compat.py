@@ -42,8 +42,8 @@ async def _launch_server_on_free_port(self, *args, **kwargs):
     # verl async_sglang_server.py:477 serves sglang's app through run_uvicorn (rollout/utils.py:69,
     # port=0: a random port), while ServerArgs.port stays 30000 (a mismatch in verl itself, which hurts once
     # something reads server_args.port after launch; not the CPU). Whatever reads server_args.port then
-    # dials a closed port: sglang's own warm-up thread (http_server.py:2561 /freeze_gc) and
-    # p2psync's server plugin (server_plugin.py:107 server_url -> pause/flush/weight version).
+    # dials a closed port: sglang's own warm-up thread (http_server.py:2561 /freeze_gc). (p2psync's server
+    # plugin reads no port here: the job sets its "server_url" to null, as the frameworks guide says for verl.)
     # Stand-in: pick a free port per server before ServerArgs is built, and serve on it.
     import socket
 

@@ -1,18 +1,22 @@
 """verl 0.9.1's CheckpointEngineManager over 2 real SGLangReplica servers (sglang 0.5.23, CPU) and the stand-in trainer.
 
-    python -m tests.verl_ray.scenario OUT_DIR     (inside `unshare -n` with lo up; test_verl_manager.py runs it)
+    python -m tests.verl_ray.scenario OUT_DIR --address HEAD   (a driver on node 0 of the emulated Ray cluster
+                                                               test_verl_manager.py makes: 1 logical GPU per node)
 
-Writes OUT_DIR/result.json: per update, verl's metrics, each replica's greedy tokens and extra_fields, and what
-the trainer reported per engine into the rendezvous. The servers carry p2psync's sglang plugin
-(P2PSYNC_SGLANG_ENDPOINT, engine ids rollout-{replica}, rendezvous "ray"); the backend is p2psync.integrations.verl.
+The trainer's worker group is pinned to node 0 (verl's own `accelerator_type`: a bundle's custom resource), so the
+replicas' pools take the GPUs of nodes 1 and 2. Writes OUT_DIR/result.json: where each ran, and per update verl's
+metrics (the trainer's report per engine among them), each replica's greedy tokens and extra_fields. The servers
+carry p2psync's sglang plugin (P2PSYNC_SGLANG_ENDPOINT, engine ids rollout-{replica}, rendezvous "ray", no
+server_url: verl pauses them); the backend is p2psync.integrations.verl. Nothing sets an address: each process
+finds its node's.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
-import sys
 import time
 
 NREPLICAS = 2
@@ -52,7 +56,7 @@ def build_config(model_dir: str):
     r.checkpoint_engine.engine_kwargs = {
         "p2psync": {"rendezvous": "ray", "job_id": JOB, "engine_id": "rollout-{replica}"}}
     r.engine_kwargs.sglang = {"device": "cpu", "attention_backend": "torch_native", "enable_memory_saver": False,
-                              "max_total_tokens": 4096, "context_length": 256, "host": "127.0.0.1", "log_level": "info"}
+                              "max_total_tokens": 4096, "context_length": 256, "log_level": "info"}
     return config
 
 
@@ -80,7 +84,7 @@ async def main(out_dir: str) -> None:
     # sglang-kernel wheel then needs libcuda.so.1.
     from verl.workers.rollout.sglang_rollout.async_sglang_server import SGLangReplica
 
-    from p2psync.adapters.ray.rendezvous import rendezvous_at
+    from p2psync.worlds.raynodes import resource
 
     from .model import make_model
     from .trainer import StandInTrainer
@@ -91,7 +95,8 @@ async def main(out_dir: str) -> None:
     ce_config = omega_conf_to_dataclass(r.checkpoint_engine)
     model_config = omega_conf_to_dataclass(config.actor_rollout_ref.model)
 
-    pool = RayResourcePool(process_on_nodes=[1], use_gpu=True, max_colocate_count=1, name_prefix="trainer")
+    pool = RayResourcePool(process_on_nodes=[1], use_gpu=True, max_colocate_count=1, name_prefix="trainer",
+                           accelerator_type=resource(0))
     actor_wg = RayWorkerGroup(resource_pool=pool, device_name="cuda", ray_cls_with_init=RayClassWithInitArgs(
         cls=ray.remote(StandInTrainer), ce_config=ce_config, model_dir=model_dir))
     replicas = [SGLangReplica(replica_rank=i, config=r, model_config=model_config, gpus_per_node=1)
@@ -99,10 +104,12 @@ async def main(out_dir: str) -> None:
     t = time.time()
     await asyncio.gather(*[x.init_standalone() for x in replicas])
     result = {"model_dir": model_dir, "prompts": [list(p) for p in PROMPTS], "new_tokens": NEW_TOKENS,
-              "launch_seconds": time.time() - t, "before": await generate_all(replicas, "before"), "updates": []}
+              "launch_seconds": time.time() - t, "before": await generate_all(replicas, "before"), "updates": [],
+              "trainer_nodes": nodes_of(pool.get_placement_groups()),
+              "replica_nodes": [nodes_of(x.resource_pool.get_placement_groups()) for x in replicas],
+              "server_addresses": [x.server_address for x in replicas]}
 
     manager = CheckpointEngineManager(config=ce_config, actor_wg=actor_wg, replicas=replicas)
-    rdzv = rendezvous_at("ray", job_id=JOB, timeout=60)
     for n, step in enumerate(STEPS, start=1):
         t = time.time()
         entry = {"update": n, "global_steps": step}
@@ -110,15 +117,8 @@ async def main(out_dir: str) -> None:
             entry["metrics"] = await manager.update_weights(global_steps=step)
             entry["ok"] = True
         except Exception as e:  # noqa: BLE001 - reported to the test
-            entry["ok"], entry["error"] = False, repr(e)
+            entry["ok"], entry["metrics"], entry["error"] = False, {}, repr(e)
         entry["seconds"] = time.time() - t
-        version = f"update-{n}" if step is None else str(step)
-        entry["reported"] = {}
-        for i in range(NREPLICAS):  # what the trainer's backend reported per engine id (p2psync's done keys)
-            try:
-                entry["reported"][f"rollout-{i}"] = json.loads(rdzv.get(f"verl/done/rollout-{i}/{version}", 30))
-            except Exception as e:  # noqa: BLE001
-                entry["reported"][f"rollout-{i}"] = {"ok": False, "error": f"no report: {e!r}"}
         entry["servers"] = await generate_all(replicas, f"u{n}")
         result["updates"].append(entry)
         print("UPDATE", json.dumps(entry), flush=True)
@@ -126,20 +126,34 @@ async def main(out_dir: str) -> None:
         json.dump(result, f)
 
 
+def nodes_of(placement_groups) -> list[str]:
+    """The addresses of the nodes holding the groups' bundles."""
+    import ray
+    from ray.util import placement_group_table
+
+    address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    return sorted({address[node] for pg in placement_groups
+                   for node in placement_group_table(pg)["bundles_to_node_id"].values()})
+
+
 if __name__ == "__main__":
     import ray
 
     from . import compat
 
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--address", required=True)
+    args = parser.parse_args()
     compat.setup()
-    out = os.path.abspath(sys.argv[1])
-    ray.init(num_cpus=4 + NREPLICAS, num_gpus=NREPLICAS + 1, _node_ip_address="127.0.0.1", include_dashboard=False,
+    out = os.path.abspath(args.out)
+    ray.init(address=args.address,
              runtime_env={"worker_process_setup_hook": "tests.verl_ray.compat.setup",
-                          "env_vars": {"RAY_USAGE_STATS_ENABLED": "0", "SGLANG_HOST_IP": "127.0.0.1",
-                                       "MOONCAKE_PROTOCOL": "tcp", "HF_HUB_OFFLINE": "1",
+                          "env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"], "MOONCAKE_PROTOCOL": "tcp",
+                                       "HF_HUB_OFFLINE": "1",
                                        "P2PSYNC_SGLANG_ENDPOINT": json.dumps({
                                            "rendezvous": "ray", "job_id": JOB, "engine_id": "rollout-{replica}",
-                                           "version": "v0"})}})
+                                           "version": "v0", "server_url": None})}})
     try:
         asyncio.run(main(out))
     finally:
