@@ -259,6 +259,9 @@ def test_a_restarted_rollout_worker_waits_for_this_updates_report_not_an_earlier
     trainer = _engine(is_master=True, rendezvous=address, job_id="verl-rollout", host_rendezvous=False,
                       transfer_timeout=30)
 
+    def rollout_worker():
+        return _engine(rendezvous=address, job_id="verl-rollout", engine_id="rollout-0", rendezvous_timeout=30)
+
     def update(rollout) -> tuple[float, float]:
         """One update as verl's manager runs it; when the rollout side returned and the trainer finished."""
         meta = [trainer.prepare(), rollout.prepare()]
@@ -285,10 +288,9 @@ def test_a_restarted_rollout_worker_waits_for_this_updates_report_not_an_earlier
         return asyncio.run(both())
 
     try:
-        received, sent = update(_engine(rendezvous=address, job_id="verl-rollout", engine_id="rollout-0", rendezvous_timeout=30))
+        received, sent = update(rollout_worker())
         assert received >= sent and endpoint.version == "update-1"
-        restarted = _engine(rendezvous=address, job_id="verl-rollout", engine_id="rollout-0", rendezvous_timeout=30)
-        received, sent = update(restarted)
+        received, sent = update(rollout_worker())  # a new one: restarted
         assert received >= sent, "the restarted rollout worker took an earlier update's report for this one's"
         assert endpoint.version == "update-2"
         for name, p in served.named_parameters():
