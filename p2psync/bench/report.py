@@ -9,6 +9,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..core.report import format_phases
 from .options import TRAINERS
 
 #: What an update's own Python objects (reports, lists, pymalloc's 1 MiB arenas) may add to RSS, beside its
@@ -119,6 +120,7 @@ def summary(raw: Mapping[str, Any], limits: Mapping[str, Any], limits_after: Map
         "best_broadcast": best_broadcast(ways),
         "trainer_memory": {f"trainer-{r}": trainer_memory(rank["memory"], raw["gathers_of"])
                            for r, rank in enumerate(per_rank)},
+        "connect": {f"trainer-{r}": rank["connect"] for r, rank in enumerate(per_rank)},
         "limits": limits,
         "limits_after": limits_after,
     }
@@ -273,6 +275,9 @@ def format_report(result: Mapping[str, Any]) -> str:
         lines += _way_lines(name, w)
     for trainer, m in result["trainer_memory"].items():
         lines.append(_memory_line(trainer, m, list(result["ways"])))
+    for trainer, sessions in result.get("connect", {}).items():  # runs kept from before have none
+        for session, phases in sessions.items():
+            lines.append(f"  {trainer} connect of the {session} session: {format_phases(phases)}")
     for when, machine in (("before", result["limits"]), ("after", result["limits_after"])):
         memcpy = machine["memcpy"]
         line = (f"  machine {when} (load average {', '.join(f'{x:.1f}' for x in machine['load_average'])}): memcpy "

@@ -118,11 +118,11 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
         rendezvous.read_engine(engine, timeout=GROUP_TIMEOUT)
     options = fp8.session_options(opts)  # fp8 engines: the layouts quantize with --fp8's quantizer
     session = Session(source=source, transport=opts.transport, rendezvous=rendezvous, options=options, gather="always")
-    session.connect(ids)
+    connects = {"gathering": session.connect(ids).phase_seconds}  # where each session's connect went, phase by phase
     gather_free = None
     if "gather-free" in ways_for(opts):
         gather_free = Session(source=source, transport=session.transport, rendezvous=rendezvous, options=options)
-        gather_free.connect(ids)
+        connects["gather-free"] = gather_free.connect(ids).phase_seconds
     buckets = session.stats().buckets  # the broadcast gathers the same buckets: only the way of sending differs
     dtype = engines.engine_dtype(opts)
     members = opts.engines * engines.tp(opts)
@@ -174,7 +174,7 @@ def bench_trainer(rank: int, opts: BenchOptions, port: int, results: Any) -> Non
         })
     p2p_ways = [w for w in ways if isinstance(w, P2PWay)]
     mine: dict[str, Any] = {
-        "memory": measured.memory, "phases": measured.phases, "sent": measured.sent,
+        "memory": measured.memory, "phases": measured.phases, "sent": measured.sent, "connect": connects,
         "write_intervals": {w.name: w.write_intervals[opts.warmup:rounds] for w in p2p_ways},
     }
     everyone: list[Any] = [None] * opts.trainers

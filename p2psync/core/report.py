@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -10,14 +11,31 @@ from dataclasses import dataclass, field
 class ConnectReport:
     """The result of `Session.connect`: the engines connected, and why each other engine it
     named was left out (its table not in the rendezvous, no answer at its address); a left-out
-    engine rejoins at a later connect once it answers."""
+    engine rejoins at a later connect once it answers. `phase_seconds`: where this rank's
+    time went (`CONNECT_PHASES`, in order), so that a slow connect says which step was slow."""
 
     engines: list[str]
     left_out: dict[str, str] = field(default_factory=dict)
+    phase_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return not self.left_out
+
+
+#: A connect's phases on a trainer rank: the engines' tables read (world rank 0) and shared;
+#: the HF tensors this rank holds shards of, then every rank's specs; the engine ranks'
+#: layouts (compiled, or from memory, disk or another rank); which engines answer; what this
+#: rank sends (plan, buckets, gather-free packings); its transfer buffers (registered with the
+#: transport); its peers, writers and engine control clients; the ranks agreeing on the
+#: outcome (waiting for the slowest); the update mode's baselines (delta).
+CONNECT_PHASES = ("tables", "shards", "specs", "layouts", "answers", "compile", "buffers", "open", "agree", "mode")
+
+
+def format_phases(phase_seconds: Mapping[str, float]) -> str:
+    """`12.30 s: tables 0.10, specs 0.50, layouts 8.00, ...` (the phases that took any time)."""
+    spent = ", ".join(f"{phase} {s:.2f}" for phase, s in phase_seconds.items() if s >= 0.005)
+    return f"{sum(phase_seconds.values()):.2f} s: {spent or 'nothing measurable'}"
 
 
 @dataclass

@@ -18,6 +18,7 @@ from ..core.errors import ConnectError, P2PSyncError, RendezvousError, where
 from ..core.host import HOST_ENV, host_of, is_host_local, node_id
 from ..core.plugins import Registry
 from ..core.rendezvous import Rendezvous
+from ..core.report import PhaseClock
 from ..core.source import TrainerSource
 from ..core.transport import Transport
 from ..core.types import ParamSpec, TargetTable
@@ -85,7 +86,7 @@ class Connector:
         return {name: shard.ranges for name, shard in shards.items()}
 
     def prepare(
-        self, conn: Connection, current: Connection | None, held: Sequence[HeldRanges],
+        self, conn: Connection, current: Connection | None, held: Sequence[HeldRanges], clock: PhaseClock,
         progress: Callable[[int, int], None] | None = None,
     ) -> dict[str, str]:
         """Check `conn`'s tables and build their layouts (a table the trainer cannot serve fails
@@ -93,15 +94,19 @@ class Connector:
         answer, the same on every rank (`silent`), and, unless that leaves none or
         `strict_connect` refuses, compile and open the resources of the others, reusing what
         `current` (the session's connection) has. `held`: every world rank's `local_ranges`;
-        `progress(done, total)`: the layouts at hand. Returns the engines left out, with why."""
+        `progress(done, total)`: the layouts at hand; `clock`: the time of each phase. Returns the
+        engines left out, with why."""
         specs, mine = self._all_specs()
+        clock.lap("specs")
         tables = [t for engine_tables in conn.tables.values() for t in engine_tables]
         for table in tables:
             self._check_table(table)
         layouts = self.layouts.layouts(tables, specs, progress)  # collective: every rank reaches it or none does
         conn.layout_counts = self.layouts.counts
         log.info("layouts of %d engine ranks: %s", len(layouts), conn.layout_counts)
+        clock.lap("layouts")
         silent, refused = collectives.broadcast(self._silent(conn.tables) if self.rank == 0 else None)
+        clock.lap("answers")
         if refused is not None:  # every rank leaves out the same engines, or raises alike
             raise ConnectError(refused)
         for engine in silent:
@@ -120,6 +125,7 @@ class Connector:
                 log.info("%s (one sender rank: nothing is all-gathered)", gathers)
         for note in compiled.degraded:
             log.warning("%s", note)
+        clock.lap("compile")
         need = compiled.buffer_bytes(self.options.bucket_bytes)
         if current is not None and current.pool is not None and current.pool.nbytes >= need:
             conn.pool = current.pool
@@ -128,10 +134,12 @@ class Connector:
         conn.patch_pool = self.mode.pool_for(
             compiled.served, compiled.patch_share, current.patch_pool if current else None, self.transport
         )
+        clock.lap("buffers")
         conn.open(current, self.transport, self._control_for, self.options.transfer_timeout)
         conn.pause_modes = pause_modes(conn.controls, self.options.pause_mode)
         if self.options.check:
             refuse_unchecked(conn.controls)
+        clock.lap("open")
         return silent
 
     def _silent(self, tables: dict[str, list[TargetTable]]) -> tuple[dict[str, str], str | None]:

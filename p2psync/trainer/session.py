@@ -19,7 +19,7 @@ from ..core.logs import identify
 from ..core.pause import PauseMode, pause_mode
 from ..core.plugins import Registry, registry as default_registry
 from ..core.rendezvous import Rendezvous
-from ..core.report import ConnectReport, UpdateReport
+from ..core.report import ConnectReport, PhaseClock, UpdateReport, format_phases
 from ..core.source import TrainerSource
 from ..core.transport import Transport
 from ..core.types import TargetTable
@@ -151,14 +151,18 @@ class Session:
         named_twice = sorted({e for e in engines if list(engines).count(e) > 1})
         if named_twice:
             raise ConnectError(f"engine {named_twice[0]!r} is named twice in connect({list(engines)!r})")
+        clock = PhaseClock()
         read = (self._connector.read_tables(engines), self._id) if self.rank == 0 else None
         (tables, left_out), self._id = collectives.broadcast(read)
+        clock.lap("tables")
         self._refuse_absent(left_out, tables)
         candidate = Connection(tables)
         held = self._on_every_rank(candidate, self._connector.local_ranges)
+        clock.lap("shards")
         silent = self._on_every_rank(
-            candidate, lambda: self._connector.prepare(candidate, self._conn, held, progress)
+            candidate, lambda: self._connector.prepare(candidate, self._conn, held, clock, progress)
         )[0]
+        clock.lap("agree")
         left_out.update(silent)
         if silent:
             try:
@@ -172,16 +176,19 @@ class Session:
         assert candidate.compiled is not None
         compiled = candidate.compiled
         self._mode.connect(candidate.tables, compiled.served, compiled.patch_share, candidate.patch_pool)
+        clock.lap("mode")
+        report = ConnectReport(sorted(candidate.tables), left_out, dict(clock.seconds))
         log.info(
-            "connected to %d engines (%d targets); serving %d of them from %d buckets",
+            "connected to %d engines (%d targets); serving %d of them from %d buckets; in %s",
             len(candidate.tables), sum(len(t) for t in candidate.tables.values()),
             len(candidate.compiled.plan.targets_of(self.rank)), len(candidate.compiled.buckets),
+            format_phases(report.phase_seconds),
         )
         if self.rank == 0:
             for engine, why in left_out.items():
                 log.warning("engine %s left out of this connect: %s; a later connect takes it in once it answers",
                             engine, why)
-        return ConnectReport(sorted(candidate.tables), left_out)
+        return report
 
     def _refuse_absent(self, left_out: Mapping[str, str], remaining: Mapping[str, object]) -> None:
         """ConnectError naming the engines `left_out` where `strict_connect` refuses any, or

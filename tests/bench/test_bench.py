@@ -16,6 +16,7 @@ pytest.importorskip("transformers", reason="transformers is not installed")
 pytest.importorskip("mooncake.engine", reason="the bench's default transport needs mooncake")
 
 from p2psync.cli import main  # noqa: E402
+from p2psync.core.report import CONNECT_PHASES  # noqa: E402
 
 
 def _run(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
@@ -49,6 +50,10 @@ def _check_common(result: dict[str, Any], ways: set[str]) -> None:
         assert window >= way["seconds"] and 0 <= way["cpu_seconds"] <= window * cores + tick, name
         assert way["cpu_seconds"] > 0 or window < 0.05, name
         assert way["cores_busy"] == pytest.approx(way["cpu_seconds"] / (window * cores)), name
+    # where each session's connect went, phase by phase, on every trainer rank (the session's own clock)
+    sessions = {"gathering", "gather-free"} if "gather-free" in ways else {"gathering"}
+    for trainer, connects in result["connect"].items():
+        assert set(connects) == sessions and all(list(c) == list(CONNECT_PHASES) for c in connects.values()), trainer
     broadcasts = {w for w in ways if w.startswith("broadcast")}
     assert set(result["ratios"]) == {f"{w}/p2p" for w in ways - {"p2p"}} | {f"{w}/gather-free" for w in broadcasts}
     for when in ("limits", "limits_after"):
