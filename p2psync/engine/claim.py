@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import urllib.error
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..core.control import post
@@ -22,11 +23,17 @@ log = logging.getLogger(__name__)
 PROBE_TIMEOUT = 5.0
 
 
-def claim(rendezvous: Rendezvous, table: TargetTable, *, incarnation: int | None, token: str) -> TargetTable:
+def claim(
+    rendezvous: Rendezvous, table: TargetTable, *, incarnation: int | None, token: str,
+    publishing: Callable[[TargetTable], None],
+) -> TargetTable:
     """Publish `table` (`incarnation`: the one its endpoint asked for, if any); the table
-    published, its incarnation the one it took."""
+    published, its incarnation the one it took. `publishing(table)` is told each table before
+    it is published: a trainer may read it and ask the endpoint who it is at once, before the
+    claim returns (a retired predecessor may take seconds to be told)."""
     holder: TargetTable | None = None
     for _ in range(8):  # another claimant may win each round; it then holds the place
+        publishing(table)
         held = rendezvous.publish(table, replacing=holder)
         if held is None:
             if holder is not None:

@@ -211,9 +211,11 @@ class EngineEndpoint:
                                      pages={"metrics": (CONTENT_TYPE, self._metrics)})
         try:
             self.table = claim(
-                self.rendezvous, self._table(), incarnation=self.requested_incarnation, token=self.token
+                self.rendezvous, self._table(), incarnation=self.requested_incarnation, token=self.token,
+                publishing=self._publishing,
             )
         except BaseException:
+            self.table = None
             self._server.close()
             self._server = None
             self.transport.close()
@@ -228,6 +230,10 @@ class EngineEndpoint:
             )
             self._verify.start()
         return self.table
+
+    def _publishing(self, table: TargetTable) -> None:
+        """The table this endpoint is about to publish: its info route answers as it at once."""
+        self.table = table
 
     def _exposed(self) -> list[torch.Tensor]:
         """The memory trainers write: every parameter with elements, and the patch area."""

@@ -13,6 +13,7 @@ Port races and repeated sessions: test_ports_and_cycles.py.
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import os
 import re
@@ -158,6 +159,33 @@ def test_an_explicit_incarnation_replaces_a_live_predecessor_which_stops_serving
             old = status(group.rendezvous, "a", url=first.control_url)
             assert old["serving"] is False
             assert old["stale"] == "replaced by incarnation 1 of engine 'a' rank 0"
+        finally:
+            successor.close()
+
+
+def test_a_successor_answers_as_itself_while_its_predecessor_is_told_to_retire(monkeypatch):
+    """A trainer may read a restarted engine's table and ask who it is before its claim returns
+    (it still tells its predecessor to retire, which may take seconds): it answers as the table it
+    published, so that the trainer does not leave it out as another process (seen in the chaos
+    schedule under load: a restarted engine left out of the connect right after it published)."""
+    claiming = importlib.import_module("p2psync.engine.claim")  # the module (p2psync.engine.claim is its function)
+    seen = []
+    replaced = claiming._replaced
+
+    def asked_meanwhile(holder, table, token):
+        seen.append(post(table.control_url, "info", token=token, timeout=10)["instance"])
+        replaced(holder, table, token)
+
+    monkeypatch.setattr(claiming, "_replaced", asked_meanwhile)
+    with engines() as group:
+        group.start("a")
+        dead = group.rendezvous.read_engine("a")[0]
+        group.kill("a")
+        group.rendezvous.publish(dead, replacing=group.rendezvous.read_engine("a")[0])  # its place still its own
+        successor = serve(small_model(1), engine_id="a", rendezvous=group.rendezvous, transport=RecordingTransport())
+        try:
+            table = group.rendezvous.read_engine("a")[0]
+            assert table.incarnation == 1 and seen == [table.instance], seen
         finally:
             successor.close()
 
