@@ -104,6 +104,7 @@ def test_status_lists_the_demos_engines_with_their_versions_while_it_runs():
     finally:
         os.killpg(demo.pid, signal.SIGKILL)  # the demo and its engine and trainer processes
         demo.wait(30)
+        os.close(told.master)
 
 
 class Terminal:

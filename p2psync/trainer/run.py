@@ -16,7 +16,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..core.digest import byte_view, digest
@@ -65,12 +65,16 @@ class Steps:
     sizes: list[int]
     count: int = 0
     produced: int = 0
+    total: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.total = sum(self.sizes)
 
     def done(self) -> None:
         self.produced += self.sizes[self.count]
         self.count += 1
         if self.progress is not None:
-            self.progress(self.produced, sum(self.sizes))
+            self.progress(self.produced, self.total)
 
     def next(self, what: str) -> str:
         """The step about to run, and `what` it does, in words."""

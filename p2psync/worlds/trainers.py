@@ -180,7 +180,7 @@ class SessionConnection:
         if trainer.rank == 0 and opts.progress:
             from tqdm import tqdm
 
-            # In bytes rank 0 produces; its total is known at the first update's first step.
+            # In bytes rank 0 produces (its total known at the first update's first step); quiet off a terminal
             self.bar = tqdm(desc="syncing", unit="B", unit_scale=True, unit_divisor=1024, disable=None)
         self.updates = opts.updates
 

@@ -17,7 +17,7 @@ from p2psync.adapters.sglang.target import SglangEngineTarget  # noqa: E402
 from p2psync.core.types import TargetTable  # noqa: E402
 from p2psync.engine.client import EndpointControl  # noqa: E402
 
-ARGS = SimpleNamespace(host="10.1.2.3", port=30000, weight_version="v0")
+ARGS = SimpleNamespace(host="127.0.3.3", port=30000, weight_version="v0")
 
 
 def served_extra(monkeypatch, settings: dict) -> object:
@@ -40,12 +40,12 @@ def control_for(extra: object) -> object:
 
 def test_by_default_the_trainer_pauses_the_server_its_arguments_name(monkeypatch):
     extra = served_extra(monkeypatch, {})
-    assert extra == {"server_url": "http://10.1.2.3:30000"}
+    assert extra == {"server_url": "http://127.0.3.3:30000"}
     assert isinstance(control_for(extra), ServedControl)
 
 
 def test_a_server_url_set_is_the_one_published(monkeypatch):
-    assert served_extra(monkeypatch, {"server_url": "http://10.9.9.9:4242"}) == {"server_url": "http://10.9.9.9:4242"}
+    assert served_extra(monkeypatch, {"server_url": "http://127.0.9.9:4242"}) == {"server_url": "http://127.0.9.9:4242"}
 
 
 def test_a_null_server_url_publishes_none_and_the_trainer_pauses_the_endpoints_only(monkeypatch):
