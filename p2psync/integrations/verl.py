@@ -17,8 +17,12 @@ engine_kwargs: `job_id`, `engine_id`, `transport` (default "mooncake"), `transfe
 
 Trainer side (verl builds it with `is_master=`): a p2psync Session over the
 per-tensor generator verl hands to `send_weights` (`IterableSource`). Every actor
-rank iterates the generator (its gathers are collectives); the plan's senders write
-each engine rank's own bytes straight into its parameter memory.
+rank runs the generator to its end (its gathers are collectives) while the engines still
+serve, keeping only its own rows of each tensor on the host (1/W of the model on each of
+W ranks, the metric `p2psync/stream_held_bytes`); then each rank writes its rows straight
+into the engine ranks' parameter memory, with no further gather. verl hands the backend
+gathered tensors only (its shard export goes to its own delta backend alone), so the
+stream's gathers stay verl's.
 
 Rollout side (verl builds it without `is_master`): the engine's parameters are
 already exposed by a p2psync engine endpoint (the torch, vLLM or sglang adapter)
@@ -180,11 +184,9 @@ class P2PSyncCheckpointEngine(CheckpointEngine):
     ) -> dict[str, float]:
         assert self._session is not None and self._source is not None, "send_weights before init_process_group"
         source, session = self._source, self._session
-        if not source.known:
-            source.discover(weights)  # first update only: learn names, shapes and dtypes
-        else:
-            source.feed(weights)
         try:
+            source.take(weights)  # every rank runs verl's gathers to the end, keeping its own rows (1/W of the model)
+            held = source.held_bytes
             if self._connected != self._engines:
                 session.connect(self._engines)
                 self._connected = list(self._engines)
@@ -193,14 +195,14 @@ class P2PSyncCheckpointEngine(CheckpointEngine):
             version = self._version(global_steps)
             report = session.update(version)
         finally:
-            source.drain()
+            source.release()
         if self.is_master:
             for name, engine in report.engines.items():
                 outcome = {"ok": engine.ok, "error": engine.error, "version": version}
                 self._rendezvous().set(_done_key(name, self._update or version), json.dumps(outcome))
         if not report.ok:
             raise RuntimeError(f"p2psync update {version} left engines stale: {report.format()}")
-        return report.metrics()
+        return report.metrics() | {"p2psync/stream_held_bytes": float(held)}
 
     async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         """Wait for the trainer's report on this engine; yield nothing (the bytes are in place)."""

@@ -10,7 +10,8 @@ actor and rollout worker; `build_topology` on the class verl's registry returns;
 engine does); the rollout is a torch engine served by p2psync in the rollout
 worker's process. After each update the engine's bytes equal the trainer's (as
 DTensor's own `full_tensor` gathers them), bit for bit, and the server adapter was
-handed no tensor to load. Environment integrations.
+handed no tensor to load; each trainer rank held only its own rows of verl's stream (torch's
+own split) and wrote them with no gather. Environment integrations.
 """
 
 from __future__ import annotations
@@ -81,9 +82,10 @@ def trainer(rank, port, to_parent, mine, results):
         per_tensor = ((name, p.detach().full_tensor()) for name, p in model.named_parameters())
         metrics = asyncio.run(engine.send_weights(per_tensor, global_steps=step))
         engine.finalize()
-        full = {name: _bytes(p.detach().full_tensor()) for name, p in model.named_parameters()}
+        fulls = {name: p.detach().full_tensor() for name, p in model.named_parameters()}
+        rows = sum(t.chunk(TRAINERS)[rank].nbytes for t in fulls.values())  # torch's own split, as the oracle
         if rank == 0:
-            results.put(("trainer", step, full, metrics))
+            results.put(("trainer", step, {name: _bytes(t) for name, t in fulls.items()}, metrics | {"rows": rows}))
     dist.barrier()
     engine.close()
     dist.destroy_process_group()
@@ -191,6 +193,9 @@ def test_verl_call_order_fsdp2_to_torch_engine_is_bit_exact():
         trained, metrics = got["trainer", step]
         held, info = got["rollout", step]
         assert metrics["p2psync/bytes"] > 0 and metrics["p2psync/phase/finish_seconds"] > 0, metrics
+        # each rank kept its own rows of verl's stream (no copy of the model) and wrote them without a gather
+        assert metrics["p2psync/stream_held_bytes"] == metrics["rows"], metrics
+        assert metrics["p2psync/gathered_bytes"] == 0 and metrics["p2psync/gather_free_bytes"] > 0, metrics
         assert sum(v for k, v in metrics.items() if k.startswith("p2psync/engine/") and k.endswith("/bytes")) == (
             metrics["p2psync/bytes"]), metrics
         assert info == {"loaded": 0, "version": str(step)}  # nothing re-loaded tensor by tensor

@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ...core.gloo import all_gather_by_broadcasts, is_gloo
+from ...core.rows import all_gather_rows, row_chunk
 from ...core.source import LocalShard, TrainerSource
 from ...core.types import ParamSpec, SenderGroup
 
@@ -104,12 +104,12 @@ class FSDP2Source(TrainerSource):
             else:
                 out[name] = cast(name, data.full_tensor() if isinstance(data, DTensor) else data)
         for (group, _), shards in packs.items():
-            out.update(_all_gather_dim0(group, shards))
+            out.update(all_gather_rows(group, shards))
         return {name: out[name] for name in names}
 
     def local_shards(self, names: Sequence[str]) -> dict[str, LocalShard]:
         """Parameters sharded on dim 0 over a 1-D mesh: this rank's rows, as `torch.chunk`
-        splits them (see `_all_gather_dim0`). Others (replicated, or sharded otherwise) are
+        splits them (see `core.rows`). Others (replicated, or sharded otherwise) are
         gathered."""
         from torch.distributed.tensor import DTensor
 
@@ -119,13 +119,10 @@ class FSDP2Source(TrainerSource):
             if not (isinstance(data, DTensor) and _dim0_sharded(data)):
                 continue
             local = data.to_local()
-            rows, world = data.shape[0], data.device_mesh.size()
-            chunk = -(-rows // world)
-            first = min(data.device_mesh.get_local_rank() * chunk, rows)
-            if local.shape[0] != min(chunk, rows - first) or not local.is_contiguous():
+            first, end = row_chunk(data.shape[0], data.device_mesh.get_local_rank(), data.device_mesh.size())
+            if local.shape[0] != end - first or not local.is_contiguous():
                 continue  # not torch.chunk's split: leave it to the gather
             per_row = local[0].numel() if local.shape[0] else 0
-            end = first + local.shape[0]
             ranges = ((first * per_row, end * per_row),) if end > first else ()
             out[name] = LocalShard(ranges, local.reshape(-1))
         return out
@@ -135,53 +132,3 @@ def _dim0_sharded(data: Any) -> bool:
     from torch.distributed.tensor import Shard
 
     return data.device_mesh.ndim == 1 and tuple(data.placements) == (Shard(0),) and data.dim() > 0
-
-
-def _all_gather_dim0(group: Any, shards: list[tuple[str, Any, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Gather (name, full shape, this rank's shard) of tensors sharded on dim 0 as
-    `torch.chunk` splits them (FSDP2's sharding: chunks of ceil(rows / world) rows, the
-    last ones shorter or empty) with one coalesced all-gather (gloo: one broadcast per rank);
-    return the full tensors."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size(group)
-    sends = []
-    for _, shape, local in shards:
-        chunk = -(-shape[0] // world)
-        if local.shape[0] == chunk:
-            send = local.contiguous()
-        else:
-            send = local.new_zeros((chunk, *shape[1:]))
-            send[: local.shape[0]] = local
-        sends.append(send)
-    if is_gloo(group):
-        return _gathered_by_broadcasts(group, shards, sends)
-    fulls = [send.new_empty((send.shape[0] * world, *send.shape[1:])) for send in sends]
-    # NCCL runs the recorded all-gathers as one coalesced work. torch 2.13 renamed
-    # all_gather_into_tensor (now a deprecated alias, warning at every call) all_gather_single.
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    with dist._coalescing_manager(group, async_ops=True) as coalesced:
-        for full, send in zip(fulls, sends):
-            all_gather(full, send, group=group)
-    coalesced.wait()
-    return {name: full[: shape[0]] for (name, shape, _), full in zip(shards, fulls)}
-
-
-def _gathered_by_broadcasts(
-    group: Any, shards: list[tuple[str, Any, torch.Tensor]], sends: list[torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """The same all-gather over gloo as one broadcast of each rank's flat padded shards
-    (`core.gloo`); the reassembly is a memcpy."""
-    import torch
-    import torch.distributed as dist
-
-    mine = torch.cat([send.reshape(-1) for send in sends])
-    flats = [mine if r == dist.get_rank() else torch.empty_like(mine) for r in dist.get_process_group_ranks(group)]
-    all_gather_by_broadcasts(flats, group)
-    out, offset = {}, 0
-    for (name, shape, _), send in zip(shards, sends):
-        n = send.numel()
-        full = torch.cat([flat[offset : offset + n].view(send.shape) for flat in flats])
-        out[name] = full[: shape[0]]
-        offset += n
-    return out
