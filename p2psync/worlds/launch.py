@@ -1,7 +1,8 @@
 """Processes on one machine: a rendezvous hosted by the launcher, engine-rank processes that
 live for the whole run, and trainer worlds started against them one after another.
 
-A process main is a plain function, so that `multiprocessing` can start it by name:
+A process main is a plain function, so that `multiprocessing` can start it by name (from a fork
+server that imported torch once: `processes`):
 `engine(index, opts, port, stop)` serves until `stop` is set; `trainer(rank, opts, port,
 results)` joins its world through the launcher's store, and trainer rank 0 puts in `results`
 any number of `Part(value)` as it goes, then its final value. A process that dies fails its
@@ -10,12 +11,13 @@ world at once, not at a timeout.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import queue
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from .processes import context, process
 
 if TYPE_CHECKING:
     from ..core.rendezvous import Rendezvous
@@ -77,11 +79,11 @@ def launch_worlds(
     free port)."""
     from ..core.rendezvous import Rendezvous
 
-    ctx = mp.get_context("spawn")
+    ctx = context()
     server = Rendezvous(host="127.0.0.1", port=port, job_id=opts.job_id, is_server=True)
     stop = ctx.Event()
     count = opts.engines if engine_processes is None else engine_processes
-    engines = [ctx.Process(target=engine, args=(i, opts, server.port, stop), name=f"engine-{i}") for i in range(count)]
+    engines = [process(ctx, engine, (i, opts, server.port, stop), name=f"engine-{i}") for i in range(count)]
     for p in engines:
         p.start()
     outcomes = []
@@ -103,9 +105,7 @@ def _run_world(
     ctx: Any, opts: Any, port: int, engines: list[Any], trainer: Callable[..., None], ranks: int, world: str
 ) -> WorldOutcome:
     results = ctx.Queue()
-    procs = [
-        ctx.Process(target=trainer, args=(r, opts, port, results), name=f"{world}-rank{r}") for r in range(ranks)
-    ]
+    procs = [process(ctx, trainer, (r, opts, port, results), name=f"{world}-rank{r}") for r in range(ranks)]
     for p in procs:
         p.start()
     outcome = WorldOutcome()

@@ -25,7 +25,6 @@ every engine the report calls ok serves this step's version, and one it calls st
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import random
 import signal
@@ -41,6 +40,7 @@ from p2psync.core.control import post
 from p2psync.core.errors import ControlError
 from p2psync.core.rendezvous import Rendezvous
 from p2psync.worlds import netbox
+from p2psync.worlds.processes import context, process
 from tests.helpers.engines import Place, engines, small_model, train_step, wait_for
 from tests.helpers.intruder import attack_each
 from tests.helpers.steps import after_step
@@ -179,13 +179,13 @@ class World:
     a box, where given)."""
 
     def __init__(self, group: Any, number: int, state: Path, box: netbox.Box | None) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = context()
         self.pipes, self.procs = [], []
         for rank in range(2):
             mine, theirs = ctx.Pipe()
             place = (box, 0, rank) if box is not None else None
-            proc = ctx.Process(target=chaos_rank, args=(rank, group.rendezvous.port, group.rendezvous.job_id,
-                                                        f"world-{number}", str(state), theirs, place), daemon=True)
+            args = (rank, group.rendezvous.port, group.rendezvous.job_id, f"world-{number}", str(state), theirs, place)
+            proc = process(ctx, chaos_rank, args, daemon=True)
             proc.start()
             self.pipes.append(mine)
             self.procs.append(proc)

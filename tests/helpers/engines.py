@@ -7,7 +7,6 @@ module), so tests drive `Session` directly and cheaply.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -21,6 +20,7 @@ import torch
 from p2psync.core.rendezvous import Rendezvous
 from p2psync.core.transport import Transport
 from p2psync.worlds.netbox import Box, join
+from p2psync.worlds.processes import context, process
 
 #: Where an engine process runs in a cluster in a box: the box, its node and slot there.
 Place = tuple[Box, int, int]
@@ -142,17 +142,13 @@ class Engines:
     stops: dict[str, Any] = field(default_factory=dict)
 
     def start(self, engine_id: str, seed: int = 1, width: int | None = None, dtype: str = "float32") -> None:
-        ctx = mp.get_context("spawn")
+        ctx = context()
         stop = ctx.Event()
-        proc = ctx.Process(
-            target=engine_process,
-            args=(
-                engine_id, self.rendezvous.port, self.rendezvous.job_id, self.transport, seed, width or self.width,
-                dtype, stop, self.places.get(engine_id), self.options,
-            ),
-            name=engine_id,
-            daemon=True,
+        args = (
+            engine_id, self.rendezvous.port, self.rendezvous.job_id, self.transport, seed, width or self.width,
+            dtype, stop, self.places.get(engine_id), self.options,
         )
+        proc = process(ctx, engine_process, args, name=engine_id, daemon=True)
         proc.start()
         self.procs[engine_id], self.stops[engine_id] = proc, stop
 

@@ -9,13 +9,14 @@ token: it runs with $P2PSYNC_TOKEN unset and a token directory of its own (empty
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import tempfile
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
+
+from p2psync.worlds.processes import context, process
 
 #: The endpoint's routes, and the torch test engine's own (`tests.helpers.engines`).
 ROUTES = ("pause", "renew", "patch", "finish", "digest", "info", "retire", "held", "fail", "label",
@@ -111,9 +112,9 @@ def attack(host: str, port: int, job_id: str, engine_id: str, timeout: float = 1
 
 def attack_each(host: str, port: int, job_id: str, engine_ids: list[str], timeout: float = 120.0) -> dict[str, Attack]:
     """Attack each of `engine_ids` in turn from one process of its own; what came of each."""
-    ctx = mp.get_context("spawn")
+    ctx = context()
     answer = ctx.Queue()
-    proc = ctx.Process(target=_attack, args=(host, port, job_id, list(engine_ids), answer), name="intruder",
+    proc = process(ctx, _attack, (host, port, job_id, list(engine_ids), answer), name="intruder",
                        daemon=True)
     proc.start()
     try:

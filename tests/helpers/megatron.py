@@ -21,6 +21,7 @@ from p2psync.worlds.megatron import (
     load_hf,
     logits_differ,
     megatron_model,
+from p2psync.worlds.processes import context, process
 )
 
 HF_CONFIGS: dict[str, dict[str, Any]] = {
@@ -290,12 +291,11 @@ def run_world(world: int, cases: list[Case], check: Callable[[Case, dict[str, to
               = check_source) -> dict[str, list[str]]:
     """Each case's errors from `check`, run in one gloo world of `world` fresh processes (torch and
     megatron import once per process)."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
+    
+    ctx = context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=source_worker, args=(r, world, port, cases, results, check)) for r in range(world)]
+    procs = [process(ctx, source_worker, (r, world, port, cases, results, check)) for r in range(world)]
     for p in procs:
         p.start()
     try:

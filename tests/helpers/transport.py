@@ -3,7 +3,6 @@ samehost and torchdist transport tests; the trainer side runs in the test proces
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ from p2psync.core.plugins import registry
 from p2psync.core.rendezvous import Rendezvous
 from p2psync.core.transport import WriteBatch
 from p2psync.core.types import TargetParam, TargetTable
+from p2psync.worlds.processes import context, process
 
 ENGINE_ID = "transport-test"
 
@@ -98,9 +98,9 @@ class Engine:
 def engine(transport: str, job_id: str) -> Iterator[tuple[Engine, Rendezvous]]:
     """An engine process and the rendezvous it joined (hosted by the test process)."""
     rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id=job_id, is_server=True, timeout=10)
-    ctx = mp.get_context("spawn")
+    ctx = context()
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=engine_main, args=(transport, rendezvous.port, job_id, child), daemon=True)
+    proc = process(ctx, engine_main, (transport, rendezvous.port, job_id, child), daemon=True)
     proc.start()
     try:
         assert conn.poll(120), "the engine did not start"

@@ -7,13 +7,13 @@ that differs from the first is refused naming the tensor."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import queue
 from typing import Any
 
 import pytest
 
 from p2psync.worlds import free_port
+from p2psync.worlds.processes import context, process
 
 WORLD = 3
 
@@ -78,10 +78,10 @@ def _rank(rank: int, port: int, results: Any) -> None:
 
 @pytest.fixture(scope="module")
 def world() -> dict[int, dict[str, Any]]:
-    ctx = mp.get_context("spawn")
+    ctx = context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, results)) for r in range(WORLD)]
+    procs = [process(ctx, _rank, (r, port, results)) for r in range(WORLD)]
     for p in procs:
         p.start()
     got: dict[int, dict[str, Any]] = {}

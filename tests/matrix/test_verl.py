@@ -17,13 +17,13 @@ own split) and wrote them with no gather. Environment integrations.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import queue
 import time
 
 import pytest
 import torch
 
+from p2psync.worlds.processes import context, process
 from tests.helpers.matrix import usable
 
 #: One row of the table: verl's call order over Mooncake, FSDP2 into a torch engine.
@@ -157,12 +157,12 @@ def test_verl_call_order_fsdp2_to_torch_engine_is_bit_exact():
     import p2psync.integrations.verl  # noqa: F401
     from p2psync.core.rendezvous import Rendezvous
 
-    ctx = mp.get_context("spawn")
+    ctx = context()
     server = Rendezvous(host="127.0.0.1", port=0, job_id=JOB, is_server=True)
     to_parent, results = ctx.Queue(), ctx.Queue()
     mines = {("actor", r): ctx.Queue() for r in range(TRAINERS)} | {("rollout", 0): ctx.Queue()}
-    procs = [ctx.Process(target=trainer, args=(r, server.port, to_parent, mines["actor", r], results)) for r in range(TRAINERS)]
-    procs.append(ctx.Process(target=rollout, args=(server.port, to_parent, mines["rollout", 0], results)))
+    procs = [process(ctx, trainer, (r, server.port, to_parent, mines["actor", r], results)) for r in range(TRAINERS)]
+    procs.append(process(ctx, rollout, (server.port, to_parent, mines["rollout", 0], results)))
     for p in procs:
         p.start()
     got = {}

@@ -7,7 +7,6 @@ naming engine, rank and parameter."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import queue
 from typing import Any
 
@@ -16,6 +15,7 @@ import pytest
 from p2psync.core.errors import ConnectError, where
 from p2psync.trainer.layouts import LayoutCounts, assign
 from p2psync.worlds import free_port
+from p2psync.worlds.processes import context, process
 from tests.helpers.toy_engine import ToyTarget
 
 TP = 4
@@ -97,10 +97,10 @@ def _rank(rank: int, port: int, cache: str, results: Any) -> None:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> dict[int, dict[str, Any]]:
-    ctx = mp.get_context("spawn")
+    ctx = context()
     results = ctx.Queue()
     port, cache = free_port(), str(tmp_path_factory.mktemp("cache"))
-    procs = [ctx.Process(target=_rank, args=(r, port, cache, results)) for r in range(2)]
+    procs = [process(ctx, _rank, (r, port, cache, results)) for r in range(2)]
     for p in procs:
         p.start()
     got = {}

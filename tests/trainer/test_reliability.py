@@ -14,7 +14,6 @@ Port races and repeated sessions: test_ports_and_cycles.py.
 from __future__ import annotations
 
 import importlib
-import multiprocessing as mp
 import os
 import re
 import signal
@@ -43,6 +42,7 @@ from p2psync.core.errors import (  # noqa: E402
 from p2psync.core.rendezvous import Rendezvous  # noqa: E402
 from p2psync.trainer.session import Session  # noqa: E402
 from p2psync.core.types import TargetParam, TargetTable  # noqa: E402
+from p2psync.worlds.processes import context, process  # noqa: E402
 
 TIMEOUT = 3.0
 
@@ -373,11 +373,11 @@ def collect(results, count: int, procs: list, timeout: float) -> list:
 def test_a_lost_trainer_rank_is_named_and_the_engine_does_not_resume_mixed_weights():
     with engines() as group:
         group.start("a")
-        ctx = mp.get_context("spawn")
+        ctx = context()
         results = ctx.Queue()
         with foreign_engine(group.rendezvous, "x"):
             ranks = [
-                ctx.Process(target=trainer_rank, args=(r, group.rendezvous.port, group.rendezvous.job_id, results))
+                process(ctx, trainer_rank, (r, group.rendezvous.port, group.rendezvous.job_id, results))
                 for r in range(2)
             ]
             for p in ranks:
@@ -438,10 +438,10 @@ def test_a_rank_whose_own_code_raised_is_named_on_every_rank_at_once(gather):
     it lost), and the engine is not resumed."""
     with engines() as group:
         group.start("a")
-        ctx = mp.get_context("spawn")
+        ctx = context()
         results = ctx.Queue()
         ranks = [
-            ctx.Process(target=raising_rank, args=(r, group.rendezvous.port, group.rendezvous.job_id, gather, results))
+            process(ctx, raising_rank, (r, group.rendezvous.port, group.rendezvous.job_id, gather, results))
             for r in range(2)
         ]
         for p in ranks:
@@ -486,9 +486,9 @@ def test_zero_element_parameters_are_served_and_updated(transport):
     if transport == "nixl":
         pytest.importorskip("nixl_cu12", reason="NIXL (p2psync[nixl]) is not installed")
     rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="empty", is_server=True, timeout=30)
-    ctx = mp.get_context("spawn")
+    ctx = context()
     stop = ctx.Event()
-    proc = ctx.Process(target=empty_param_engine, args=(rendezvous.port, "empty", transport, stop), daemon=True)
+    proc = process(ctx, empty_param_engine, (rendezvous.port, "empty", transport, stop), daemon=True)
     proc.start()
     try:
         table = rendezvous.read_engine("z")[0]

@@ -6,7 +6,6 @@ engine's memory."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 from p2psync.core.control import post
 from p2psync.core.rendezvous import Rendezvous
 from p2psync.worlds.launch import free_port
+from p2psync.worlds.processes import context, process
 from tests.helpers.engines import Engines, small_model, wait_for
 
 pytest.importorskip("mooncake.engine", reason="the engines are written over Mooncake (extra 'mooncake')")
@@ -54,7 +54,7 @@ def trainer_world(port: int, seed: int, versions: list[str], out: str, die: bool
 
 
 def run_world(port: int, seed: int, versions: list[str], die: bool, out: Path) -> tuple[list, dict[str, str], dict]:
-    proc = mp.get_context("spawn").Process(target=trainer_world, args=(port, seed, versions, str(out), die))
+    proc = process(context(), trainer_world, (port, seed, versions, str(out), die))
     proc.start()
     proc.join(180)
     assert not proc.is_alive() and out.exists(), f"the trainer world ended with {proc.exitcode} and no report"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -26,6 +25,7 @@ from p2psync.core.errors import TransferError, TransferTimeout  # noqa: E402
 from p2psync.core.transport import WriteBatch  # noqa: E402
 from p2psync.core.types import TargetParam, TargetTable  # noqa: E402
 from p2psync.transports.nixl.transport import NixlTransport  # noqa: E402
+from p2psync.worlds.processes import context, process  # noqa: E402
 
 OPTIONS = {"ucx_net_devices": "lo"}
 SIZES = (4096, 65536, 1 << 20)  # bytes of each engine's three parameters
@@ -47,10 +47,10 @@ def engine_main(sizes: tuple[int, ...], options: dict[str, Any], out: Any, comma
 
 class Engine:
     def __init__(self, engine_id: str) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = context()
         self.engine_id = engine_id
         self.out, self.commands = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=engine_main, args=(SIZES, OPTIONS, self.out, self.commands), daemon=True)
+        self.proc = process(ctx, engine_main, (SIZES, OPTIONS, self.out, self.commands), daemon=True)
         self.proc.start()
         self.info: dict[str, Any] = {}
         self.addrs: list[int] = []

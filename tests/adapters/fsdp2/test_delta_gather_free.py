@@ -16,6 +16,7 @@ import torch  # noqa: E402
 from tests.helpers.engines import engines, small_model, wait_for  # noqa: E402
 
 from p2psync.worlds import free_port  # noqa: E402
+from p2psync.worlds.processes import context, process  # noqa: E402
 
 UPDATES = 3
 LR = 3e-5  # small steps: most bfloat16 elements stay, so patches carry the rest
@@ -70,13 +71,13 @@ def _rank(rank: int, port: int, rendezvous_port: int, out: mp.Queue) -> None:
 
 @pytest.mark.slow
 def test_two_fsdp2_ranks_send_deltas_of_their_own_shards_bit_exact():
-    ctx = mp.get_context("spawn")
+    ctx = context()
     out = ctx.Queue()
     with engines() as group:
         group.start("a", dtype="bfloat16")
         wait_for(lambda: group.rendezvous.read_engine("a", timeout=180), 180, "engine a's table")
         port = free_port()
-        procs = [ctx.Process(target=_rank, args=(r, port, group.rendezvous.port, out)) for r in range(2)]
+        procs = [process(ctx, _rank, (r, port, group.rendezvous.port, out)) for r in range(2)]
         for p in procs:
             p.start()
         results = {rank: rest for rank, *rest in (out.get(timeout=300) for _ in procs)}

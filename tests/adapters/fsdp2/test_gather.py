@@ -15,6 +15,7 @@ from p2psync.core.layout import Layout, ParamGroup
 from p2psync.trainer.compiler import narrower_dtypes
 from p2psync.core.types import ParamSpec
 from p2psync.worlds import free_port
+from p2psync.worlds.processes import context, process
 
 #: Uneven first dimensions over 2 ranks (torch.chunk leaves the last shard shorter), 1-D to 3-D.
 SHAPES = [(5,), (7, 3), (1, 4), (4, 4, 2), (3,)]
@@ -60,10 +61,10 @@ def _rank(rank: int, port: int, failures: mp.Queue) -> None:
 
 @pytest.mark.slow
 def test_fsdp2_gather_and_gather_cast_equal_the_full_tensors():
-    ctx = mp.get_context("spawn")
+    ctx = context()
     failures = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, failures)) for r in range(2)]
+    procs = [process(ctx, _rank, (r, port, failures)) for r in range(2)]
     for p in procs:
         p.start()
     results = dict(failures.get(timeout=300) for _ in procs)

@@ -16,10 +16,10 @@ import pytest
 pytest.importorskip("megatron.core", reason="megatron-core (p2psync[megatron]) is not installed")
 pytest.importorskip("transformers", reason="transformers is not installed")
 
-import multiprocessing as mp  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
+from p2psync.worlds.processes import context, process  # noqa: E402
 from tests.helpers.model_configs import checkpoint, hf_config  # noqa: E402
 
 KINDS = ("glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa")
@@ -125,9 +125,9 @@ def source_shapes(kinds: tuple[str, ...], results: Any) -> None:
 
 @pytest.fixture(scope="module")
 def yielded() -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
+    ctx = context()
     results = ctx.Queue()
-    process = ctx.Process(target=source_shapes, args=(KINDS, results))
+    process = process(ctx, source_shapes, (KINDS, results))
     process.start()
     try:
         return results.get(timeout=300)

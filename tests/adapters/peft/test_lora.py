@@ -20,6 +20,7 @@ from p2psync import ConnectError, Rendezvous, Session  # noqa: E402
 from p2psync.adapters.peft import LoraSource  # noqa: E402
 from p2psync.core.control import post  # noqa: E402
 from p2psync.worlds.lora import adapter_bytes  # noqa: E402
+from p2psync.worlds.processes import context, process  # noqa: E402
 from tests.helpers.engines import RecordingTransport  # noqa: E402
 from tests.helpers.matrix import TRANSPORTS, usable  # noqa: E402
 from tests.helpers.peft_engine import (  # noqa: E402
@@ -31,7 +32,7 @@ from tests.helpers.peft_engine import (  # noqa: E402
 SLOTS = {"a": {"seed": 11}, "b": {"seed": 12}, "wide": {"seed": 13, "r": 8}, "loud": {"seed": 14, "lora_alpha": 16}}
 #: The trainer's two adapters (other random values than any slot holds).
 TRAINER = {"default": {"seed": 21}, "other": {"seed": 22}}
-CONTEXT = mp.get_context("spawn")
+CONTEXT = context()
 
 
 def test_the_source_sends_exactly_the_adapters_tensors_under_peft_checkpoint_names():
@@ -70,8 +71,8 @@ def test_an_adapter_slot_publishes_only_its_tensors_where_the_model_keeps_them()
 def lora_engine(transport: str, commands: Any = None, answers: Any = None) -> Iterator[Rendezvous]:
     rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="lora", is_server=True, timeout=60)
     stop = CONTEXT.Event()
-    proc = CONTEXT.Process(target=lora_engine_process, daemon=True,
-                           args=(rendezvous.port, "lora", transport, SLOTS, stop, commands, answers))
+    proc = process(CONTEXT, lora_engine_process, (rendezvous.port, "lora", transport, SLOTS, stop, commands, answers),
+                   daemon=True)
     proc.start()
     try:
         for slot in SLOTS:
@@ -201,7 +202,7 @@ def test_two_fsdp2_ranks_send_their_own_shards_of_an_adapter_then_deltas_bit_exa
     out = CONTEXT.Queue()
     with lora_engine("mooncake") as rendezvous:
         port = free_port()
-        procs = [CONTEXT.Process(target=_fsdp2_rank, args=(r, port, rendezvous.port, out)) for r in range(2)]
+        procs = [process(CONTEXT, _fsdp2_rank, (r, port, rendezvous.port, out)) for r in range(2)]
         for p in procs:
             p.start()
         results = dict((rank, (reports, held)) for rank, reports, held in (out.get(timeout=300) for _ in procs))
