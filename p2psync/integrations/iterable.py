@@ -61,11 +61,6 @@ class IterableSource(TrainerSource):
         self._index, self._world = ranks.index(rank), len(ranks)
 
     @property
-    def known(self) -> bool:
-        """Whether the specs are known (given, or learnt from a first stream)."""
-        return self._specs is not None
-
-    @property
     def held_bytes(self) -> int:
         """Host bytes this rank holds of the stream it took: its rows of every tensor."""
         return sum(rows.nbytes for _, rows in self._rows.values())
