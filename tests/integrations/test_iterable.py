@@ -7,13 +7,11 @@ that differs from the first is refused naming the tensor."""
 
 from __future__ import annotations
 
-import queue
 from typing import Any
 
 import pytest
 
-from p2psync.worlds import free_port
-from p2psync.worlds.processes import context, process
+from tests.helpers.ranks import run_ranks
 
 WORLD = 3
 
@@ -37,68 +35,41 @@ def plain(tensor: Any) -> tuple[str, tuple[int, ...], list[float]]:
     return str(tensor.dtype), tuple(tensor.shape), tensor.float().reshape(-1).tolist()
 
 
-def _rank(rank: int, port: int, results: Any) -> None:
+def _rank(rank: int) -> dict[str, Any]:
     import torch
-    import torch.distributed as dist
 
     from p2psync.integrations.iterable import IterableSource
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     out: dict[str, Any] = {}
-    try:
-        source = IterableSource()
-        source.take(iter(stream(1)))
-        names = [s.name for s in source.param_specs()]
-        out["specs"] = [(s.name, s.shape, s.dtype) for s in source.param_specs()]
-        out["held"] = source.held_bytes
-        out["shards"] = {n: (s.ranges, plain(s.data)[2]) for n, s in source.local_shards(names).items()}
-        out["gathered"] = {n: plain(t) for n, t in source.gather(names).items()}
-        source.release()
-        out["released"] = source.held_bytes
-        source.take(iter(stream(2)))  # the next update: the same tensors, other values
-        out["second"] = {n: plain(t) for n, t in source.gather(names).items()}
-        refusals = {
-            "shape": [*stream(3)[:1], ("norm.weight", torch.zeros(3, dtype=torch.bfloat16)), *stream(3)[2:]],
-            "missing": stream(3)[:3],
-            "twice": [*stream(3), stream(3)[0]],
-            "new": [*stream(3), ("extra.bias", torch.zeros(2))],
-        }
-        for how, tensors in refusals.items():
-            try:
-                source.take(iter(tensors))
-                out[how] = "no error"
-            except ValueError as exc:
-                out[how] = str(exc)
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    results.put((rank, out))
-    dist.destroy_process_group()
+    source = IterableSource()
+    source.take(iter(stream(1)))
+    names = [s.name for s in source.param_specs()]
+    out["specs"] = [(s.name, s.shape, s.dtype) for s in source.param_specs()]
+    out["held"] = source.held_bytes
+    out["shards"] = {n: (s.ranges, plain(s.data)[2]) for n, s in source.local_shards(names).items()}
+    out["gathered"] = {n: plain(t) for n, t in source.gather(names).items()}
+    source.release()
+    out["released"] = source.held_bytes
+    source.take(iter(stream(2)))  # the next update: the same tensors, other values
+    out["second"] = {n: plain(t) for n, t in source.gather(names).items()}
+    refusals = {
+        "shape": [*stream(3)[:1], ("norm.weight", torch.zeros(3, dtype=torch.bfloat16)), *stream(3)[2:]],
+        "missing": stream(3)[:3],
+        "twice": [*stream(3), stream(3)[0]],
+        "new": [*stream(3), ("extra.bias", torch.zeros(2))],
+    }
+    for how, tensors in refusals.items():
+        try:
+            source.take(iter(tensors))
+            out[how] = "no error"
+        except ValueError as exc:
+            out[how] = str(exc)
+    return out
 
 
 @pytest.fixture(scope="module")
 def world() -> dict[int, dict[str, Any]]:
-    ctx = context()
-    results = ctx.Queue()
-    port = free_port()
-    procs = [process(ctx, _rank, (r, port, results)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    got: dict[int, dict[str, Any]] = {}
-    try:
-        for _ in procs:
-            rank, out = results.get(timeout=120)
-            got[rank] = out
-    except queue.Empty:
-        pytest.fail(f"only ranks {sorted(got)} reported: a collective hung")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    for rank, out in got.items():
-        assert "error" not in out, (rank, out["error"])
-    return got
+    return run_ranks(_rank, WORLD)
 
 
 def _rows(tensor: Any) -> Any:

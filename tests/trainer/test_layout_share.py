@@ -7,15 +7,13 @@ naming engine, rank and parameter."""
 
 from __future__ import annotations
 
-import queue
 from typing import Any
 
 import pytest
 
 from p2psync.core.errors import ConnectError, where
 from p2psync.trainer.layouts import LayoutCounts, assign
-from p2psync.worlds import free_port
-from p2psync.worlds.processes import context, process
+from tests.helpers.ranks import run_ranks
 from tests.helpers.toy_engine import ToyTarget
 
 TP = 4
@@ -46,7 +44,7 @@ class CountingToy(ToyTarget):
         return super().layout(table, sources)
 
 
-def _rank(rank: int, port: int, cache: str, results: Any) -> None:
+def _rank(rank: int, cache: str) -> dict[str, Any]:
     from p2psync.conformance import EngineCase
     from p2psync.conformance.base import assert_layout_reproduces_the_loader, specs_of
     from p2psync.core.plugins import Registry
@@ -54,70 +52,41 @@ def _rank(rank: int, port: int, cache: str, results: Any) -> None:
     from p2psync.trainer.plan import unit_of
     from tests.helpers.toy_engine import engine_rank, hf_model
 
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     out: dict[str, Any] = {}
-    try:
-        sources = {n: t.detach().clone() for n, t in hf_model(0).state_dict().items()}
-        ranks = [engine_rank(TP, r, sources) for r in range(TP)]
-        tables = [table for _, _, table in ranks]
-        registry = Registry()
-        registry.add("engine_targets", CountingToy, "tests", "0")
+    sources = {n: t.detach().clone() for n, t in hf_model(0).state_dict().items()}
+    ranks = [engine_rank(TP, r, sources) for r in range(TP)]
+    tables = [table for _, _, table in ranks]
+    registry = Registry()
+    registry.add("engine_targets", CountingToy, "tests", "0")
 
-        def connect() -> LayoutCounts:
-            cache_of_session = LayoutCache(registry, {}, cache)
-            layouts = cache_of_session.layouts(tables, specs_of(sources))
-            for engine, expected, table in ranks:
-                layout = layouts[unit_of(table.layout_key_text, table.rank)]
-                initial = {n: p.data.clone() for n, p in engine.named_parameters()}
-                assert_layout_reproduces_the_loader(EngineCase(table, sources, initial, expected, lambda t, s: layout))
-            return cache_of_session.counts
+    def connect() -> LayoutCounts:
+        cache_of_session = LayoutCache(registry, {}, cache)
+        layouts = cache_of_session.layouts(tables, specs_of(sources))
+        for engine, expected, table in ranks:
+            layout = layouts[unit_of(table.layout_key_text, table.rank)]
+            initial = {n: p.data.clone() for n, p in engine.named_parameters()}
+            assert_layout_reproduces_the_loader(EngineCase(table, sources, initial, expected, lambda t, s: layout))
+        return cache_of_session.counts
 
-        out["first"] = connect(), sorted(CountingToy.built)
-        out["again"] = connect()
-        forget_layouts()  # a fresh process, the cache directory shared
-        out["disk"] = connect()
-        out["built"] = sorted(CountingToy.built)
-        for how in ("connect", "bug"):
-            forget_layouts()
-            CountingToy.fail, cache = how, ""
-            try:
-                connect()
-                out[how] = "no error"
-            except ConnectError as exc:
-                out[how] = str(exc)
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    results.put((rank, out))
-    dist.destroy_process_group()
+    out["first"] = connect(), sorted(CountingToy.built)
+    out["again"] = connect()
+    forget_layouts()  # a fresh process, the cache directory shared
+    out["disk"] = connect()
+    out["built"] = sorted(CountingToy.built)
+    for how in ("connect", "bug"):
+        forget_layouts()
+        CountingToy.fail, cache = how, ""
+        try:
+            connect()
+            out[how] = "no error"
+        except ConnectError as exc:
+            out[how] = str(exc)
+    return out
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> dict[int, dict[str, Any]]:
-    ctx = context()
-    results = ctx.Queue()
-    port, cache = free_port(), str(tmp_path_factory.mktemp("cache"))
-    procs = [process(ctx, _rank, (r, port, cache, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        for _ in procs:
-            rank, out = results.get(timeout=120)
-            got[rank] = out
-    except queue.Empty:
-        pytest.fail(f"only ranks {sorted(got)} reported: a collective hung")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    for rank, out in got.items():
-        assert "error" not in out, (rank, out["error"])
-    return got
+    return run_ranks(_rank, 2, str(tmp_path_factory.mktemp("cache")))
 
 
 @pytest.mark.slow
