@@ -21,8 +21,8 @@ from p2psync.worlds.megatron import (
     load_hf,
     logits_differ,
     megatron_model,
-from p2psync.worlds.processes import context, process
 )
+from p2psync.worlds.processes import context, process
 
 HF_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2": dict(

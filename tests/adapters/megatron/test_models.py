@@ -127,12 +127,12 @@ def source_shapes(kinds: tuple[str, ...], results: Any) -> None:
 def yielded() -> dict[str, Any]:
     ctx = context()
     results = ctx.Queue()
-    process = process(ctx, source_shapes, (KINDS, results))
-    process.start()
+    proc = process(ctx, source_shapes, (KINDS, results))
+    proc.start()
     try:
         return results.get(timeout=300)
     finally:
-        process.join(timeout=30)
+        proc.join(timeout=30)
 
 
 @pytest.mark.parametrize("kind", KINDS)
