@@ -79,8 +79,9 @@ class IterableSource(TrainerSource):
             if expected is not None and expected.get(name) != spec:
                 was = f"was {expected[name]}" if name in expected else "not in its first update"
                 raise ValueError(f"the weight stream's HF tensor {name!r} is {spec} ({was})")
-            first, end = row_chunk(_row_shape(spec.shape)[0], self._index, self._world)
-            rows[name] = first, tensor.detach().reshape(_row_shape(spec.shape))[first:end].to("cpu", copy=True)
+            shape = _row_shape(spec.shape)
+            first, end = row_chunk(shape[0], self._index, self._world)
+            rows[name] = first, tensor.detach().reshape(shape)[first:end].to("cpu", copy=True)
             specs.append(spec)
         if expected is not None and len(rows) != len(expected):
             missing = [n for n in expected if n not in rows]

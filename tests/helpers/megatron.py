@@ -291,7 +291,6 @@ def run_world(world: int, cases: list[Case], check: Callable[[Case, dict[str, to
               = check_source) -> dict[str, list[str]]:
     """Each case's errors from `check`, run in one gloo world of `world` fresh processes (torch and
     megatron import once per process)."""
-    
     ctx = context()
     results = ctx.Queue()
     port = free_port()
