@@ -39,6 +39,13 @@ def resource(node: int) -> str:
     return RESOURCE.format(node)
 
 
+#: The most bytes of a Unix socket's path (sun_path less its terminating NUL).
+AF_UNIX_PATH_MAX = 107
+#: The longest path Ray gives a socket below the folder of node i (its session folder is named
+#: by the start's date and time and the pid).
+RAY_SOCKET_TAIL = "/n249/session_2026-12-07_22-19-40_077689_4194304/sockets/plasma_store"
+
+
 def address(node: int) -> str:
     """Node `node`'s address (loopback range, routed between the emulated nodes)."""
     return f"127.0.{node + 1}.1"
@@ -52,6 +59,13 @@ class RayNodes:
     def __init__(
         self, cpus: Sequence[int], folder: str | Path, *, gpus: Sequence[int] = (), prefix: str | None = None
     ) -> None:
+        self.folder = Path(folder).resolve()
+        if len(str(self.folder)) + len(RAY_SOCKET_TAIL) > AF_UNIX_PATH_MAX:
+            raise ValueError(
+                f"Ray's folder {str(self.folder)!r} is too long for its sockets: Ray puts them at"
+                f" {RAY_SOCKET_TAIL!r} below it, and a socket's path has at most {AF_UNIX_PATH_MAX} bytes;"
+                f" give a folder of at most {AF_UNIX_PATH_MAX - len(RAY_SOCKET_TAIL)} characters"
+            )
         if os.geteuid() != 0:
             raise NamespaceError("emulated Ray nodes need root (network namespaces)")
         if not shutil.which("ip"):
@@ -62,7 +76,6 @@ class RayNodes:
             raise ValueError(f"gpus names {len(gpus)} nodes, cpus {len(cpus)}")
         self.cpus = list(cpus)
         self.gpus = list(gpus) or [0] * len(cpus)
-        self.folder = Path(folder)
         self.prefix = prefix or f"p2pray{os.getpid()}"
         self.switch = f"{self.prefix}-sw"
         self.namespaces = [f"{self.prefix}-n{i}" for i in range(len(cpus))]

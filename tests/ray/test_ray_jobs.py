@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -26,13 +27,14 @@ SLIME_JOB = ROOT / "tests" / "ray" / "slime_job.py"
 
 
 @pytest.fixture(scope="module")
-def nodes(tmp_path_factory):
-    try:
-        cluster = RayNodes([2, 2, 1], tmp_path_factory.mktemp("ray"))
-    except NamespaceError as exc:
-        pytest.skip(f"emulated Ray nodes cannot be made here: {exc}")
-    with cluster:
-        yield cluster
+def nodes():
+    with tempfile.TemporaryDirectory(prefix="p2pray-") as folder:  # short: Ray's socket paths sit below it
+        try:
+            cluster = RayNodes([2, 2, 1], folder)
+        except NamespaceError as exc:
+            pytest.skip(f"emulated Ray nodes cannot be made here: {exc}")
+        with cluster:
+            yield cluster
 
 
 def run_driver(nodes: RayNodes, argv: list[str], env: dict[str, str] | None = None) -> tuple[dict | None, str]:
@@ -101,3 +103,12 @@ def test_slime_and_miles_updaters_in_trainer_actors_with_real_engine_handles(nod
     for number, step in enumerate(steps, start=1):
         assert step["versions"] == [{"updater": str(number), "engines": [str(number)] * 2}] * 2, (number, step)
         assert step["equal"] == [True, True], (number, step)
+
+
+def test_a_folder_too_long_for_rays_sockets_is_refused_before_anything_starts(tmp_path):
+    """Ray's sockets sit ~70 characters below its folder; a socket's path holds 107 bytes. Ray's own
+    error comes only from `ray start` on the head; RayNodes names the limit before making a node."""
+    folder = tmp_path / ("x" * 40)
+    with pytest.raises(ValueError, match=r"too long for its sockets: .* at most 38 characters"):
+        RayNodes([1], folder)
+    assert not folder.exists()
