@@ -506,12 +506,15 @@ def test_zero_element_parameters_are_served_and_updated(transport):
 # -- 5. rendezvous errors -----------------------------------------------------------------------
 
 
-def closed_port() -> int:
+@contextmanager
+def closed_port() -> Iterator[int]:
+    """A loopback port that refuses connections while the block runs: bound, never listening, so no
+    other process (a test running beside this one) can take it and answer instead."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
 
 
 RENDEZVOUS_PROBE = """
@@ -539,8 +542,8 @@ def run_probe(port: int, timeout: float, what: str) -> tuple[str, float, str]:
 
 
 def test_an_unreachable_rendezvous_fails_within_its_timeout_naming_host_port_job_and_key():
-    port = closed_port()
-    error, seconds, stderr = run_probe(port, 2.0, "key")
+    with closed_port() as port:
+        error, seconds, stderr = run_probe(port, 2.0, "key")
     assert error == (
         f"RendezvousError: no rendezvous answers at 127.0.0.1:{port} (job 'job-7') within 2 s, "
         "waiting for key 'status': connection refused"
