@@ -102,6 +102,10 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return lines
 
 
+#: The user property that carries a test's combination (its table key) on its reports.
+COMBINATION = "p2psync_combination"
+
+
 class Recorder:
     """One run's combinations: selects them, records their outcomes, writes and prints the table."""
 
@@ -138,16 +142,21 @@ class Recorder:
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[Any]) -> Generator[None, Any, None]:
+        """Name the test's combination on its reports: under pytest-xdist a worker makes them and
+        the controller, which holds the table, sees only the reports."""
         outcome = yield
-        report = outcome.get_result()
         combo = combination(item)
-        if combo is None or (report.when != "call" and not report.failed and not report.skipped):
+        if combo is not None:
+            outcome.get_result().user_properties.append((COMBINATION, list(key_of(combo))))
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        key = next((tuple(value) for name, value in report.user_properties if name == COMBINATION), None)
+        if key is None or (report.when != "call" and not report.failed and not report.skipped):
             return
         status = "passed" if report.passed else "failed" if report.failed else "skipped"
         reason = ""
         if report.skipped and isinstance(report.longrepr, tuple):
             reason = str(report.longrepr[2]).removeprefix("Skipped: ")
-        key = key_of(combo)
         self.outcomes[key] = merge(self.outcomes.get(key), Outcome(status, reason))
 
     def rows(self) -> dict[Key, Outcome]:
@@ -159,7 +168,7 @@ class Recorder:
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         path = self.config.getoption("--p2psync-results")
-        if path:
+        if path and not hasattr(self.config, "workerinput"):  # an xdist worker's outcomes are the controller's
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(json.dumps({
                 "env": self.config.getoption("--p2psync-env") or Path(path).stem,

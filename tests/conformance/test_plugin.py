@@ -3,6 +3,7 @@ by an environment's expectations, skips and missing rows in its results. Environ
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -62,8 +63,14 @@ def rows(results: dict) -> dict[tuple[str, ...], tuple[str, str]]:
     return {tuple(r[:5]): (r[5], r[6]) for r in results["rows"]}
 
 
-def test_results_name_each_combination_its_outcome_and_the_missing_ones(suite: pytest.Pytester):
-    out, results = run(suite, "--p2psync-env", "env")
+XDIST = pytest.param(["-n", "2"], marks=pytest.mark.skipif(
+    not importlib.util.find_spec("xdist"), reason="pytest-xdist is not installed"), id="xdist")
+
+
+@pytest.mark.parametrize("workers", [pytest.param([], id="one-process"), XDIST])
+def test_results_name_each_combination_its_outcome_and_the_missing_ones(suite: pytest.Pytester, workers: list[str]):
+    """Also under pytest-xdist, where workers run the tests and the controller writes the table."""
+    out, results = run(suite, "--p2psync-env", "env", *workers)
     assert results["env"] == "env" and results["exitstatus"] == 1  # transport c failed
     assert rows(results) == {
         ("-", "torch", "-", "cpu", "-"): ("passed", ""),
