@@ -39,7 +39,7 @@ def nodes():
 
 def run_driver(nodes: RayNodes, argv: list[str], env: dict[str, str] | None = None) -> tuple[dict | None, str]:
     done = nodes.run(0, [sys.executable, *argv, "--address", nodes.head], env={"PYTHONPATH": str(ROOT), **(env or {})},
-                     timeout=300)
+                     timeout=900)  # a hang fails; a loaded machine is slow
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     return (json.loads(lines[-1]) if done.returncode == 0 and lines else None), done.stderr[-6000:]
 
