@@ -21,6 +21,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -133,23 +134,58 @@ def generate(url: str) -> dict:
     return http_json(url, "/generate", body, timeout=120)
 
 
-def update_and_check(url: str, trainer: torch.nn.Module, rendezvous: Rendezvous, *, check: bool) -> None:
-    """One update of engine "server" from `trainer`; then the server generates like it, at the new version."""
+def update_and_check(
+    url: str, trainer: torch.nn.Module, rendezvous: Rendezvous, *, check: bool, version: str = "v2"
+) -> None:
+    """One update of engine "server" from `trainer`; then the server generates like it, at `version`."""
     expected = served(trainer)
     assert not generated_by(expected, generate(url)["output_ids"]), "pick seeds whose models answer differently"
     with Session(source=FSDP2Source(trainer), transport="mooncake", rendezvous=rendezvous, check=check) as session:
         session.connect(["server"])
-        report = session.update("v2")
+        report = session.update(version)
         assert report.ok, report.format()
         assert report.engines["server"].checked == check
         assert report.engines["server"].bytes == sum(p.nbytes for p in session.tables["server"][0].params)
     answer = generate(url)
     assert_generated_by(expected, answer["output_ids"])
-    assert answer["meta_info"]["weight_version"] == "v2"
+    assert answer["meta_info"]["weight_version"] == version
 
 
 def trainer_model() -> tuple[torch.nn.Module, dict]:
     return MODEL.build(seed=2), MODEL.config_dict()
+
+
+@dataclass(frozen=True)
+class PluginServer:
+    """A server with p2psync's plugin, shared by the tests below (a start takes most of a minute
+    on CPU); each test first puts weights it knows in place (`reset`) under labels of its own, as
+    no two tests may name different weights alike."""
+
+    url: str
+    rendezvous: Rendezvous
+
+    def reset(self, model: torch.nn.Module, version: str) -> None:
+        """A full, checked update to `model`'s weights as `version` (a new session's first update
+        is full), so the test starts from them whatever ran before it."""
+        with Session(source=FSDP2Source(model), transport="mooncake", rendezvous=self.rendezvous,
+                     check=True) as session:
+            session.connect(["server"])
+            report = session.update(version)
+            assert report.ok and report.engines["server"].checked, report.format()
+
+
+@pytest.fixture(scope="module")
+def plugin_server(tmp_path_factory) -> Iterator[PluginServer]:
+    usable("engine_targets", "sglang")
+    usable("transports", "mooncake")
+    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="sglang-plugin", is_server=True)
+    settings = {
+        "rendezvous": f"127.0.0.1:{rendezvous.port}", "job_id": rendezvous.job_id, "engine_id": "server",
+        "version": "v1",
+    }
+    flags = ["--weight-version", "v1"]  # sglang's own name for what it loaded, as the plugin declares
+    with sglang_server(tmp_path_factory.mktemp("plugin-server"), flags, {ENDPOINT_ENV: json.dumps(settings)}) as url:
+        yield PluginServer(url, rendezvous)
 
 
 @pytest.mark.slow
@@ -166,20 +202,6 @@ def test_server_with_its_own_transfer_engine_endpoint_is_updated(tmp_path):
                 session.connect(["server"])  # its digests cannot be asked for: refused before anything is written
         assert generate(url)["meta_info"]["weight_version"] == "v1"  # untouched, still serving
         update_and_check(url, trainer, rendezvous, check=False)
-
-
-@pytest.mark.slow
-@pytest.mark.conformance(trainer="fsdp2", engine="sglang", transport="mooncake", via="sglang server plugin")
-def test_server_with_p2psync_endpoint_from_the_plugin_is_updated_and_checked(tmp_path):
-    """The plugin serves p2psync's endpoint in the scheduler and publishes its table; digests are checked."""
-    trainer, _ = trainer_model()
-    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="sglang-plugin", is_server=True)
-    settings = {
-        "rendezvous": f"127.0.0.1:{rendezvous.port}", "job_id": rendezvous.job_id, "engine_id": "server",
-        "version": "v1",
-    }
-    with sglang_server(tmp_path, [], {ENDPOINT_ENV: json.dumps(settings)}) as url:
-        update_and_check(url, trainer, rendezvous, check=True)
 
 
 #: A trainer process that starts an update of engine "server" and is killed (SIGKILL) after
@@ -261,6 +283,15 @@ def test_a_trainer_killed_mid_update_leaves_the_server_paused_until_the_next_tra
         assert (status()["version"], status()["serving"], status()["stale"]) == ("v2", True, None)
 
 
+@pytest.mark.slow
+@pytest.mark.conformance(trainer="fsdp2", engine="sglang", transport="mooncake", via="sglang server plugin")
+def test_server_with_p2psync_endpoint_from_the_plugin_is_updated_and_checked(plugin_server):
+    """The plugin serves p2psync's endpoint in the scheduler and publishes its table; digests are checked."""
+    trainer, _ = trainer_model()
+    plugin_server.reset(MODEL.build(seed=1), "plugin-1")
+    update_and_check(plugin_server.url, trainer, plugin_server.rendezvous, check=True, version="plugin-2")
+
+
 #: New tokens of the request in flight across each update; the update starts once it has some.
 #: The update pauses the server 2-5 tokens later here; with 24 a slower machine once finished the
 #: request before the pause came.
@@ -300,55 +331,51 @@ def generate_across_update(url: str, update: Callable[[], None]) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.conformance(trainer="fsdp2", engine="sglang", transport="mooncake", via="sglang server pause modes")
-def test_requests_in_flight_across_updates_complete_in_retract_and_in_place_and_abort_when_asked(tmp_path):
+def test_requests_in_flight_across_updates_complete_in_retract_and_in_place_and_abort_when_asked(plugin_server):
     """A greedy generation is in flight as each update starts. Retract (the default): it completes,
     its tokens before the update are the old weights' greedy choices, those after it the new
     weights' choices continuing the prompt and the tokens so far (sglang recomputes their KV), and its
     version spans name both versions. In place: it completes, continuing on its old KV (its
     tokens before are the old weights'). Abort: it ends with sglang's abort reason. Each update
     checked (digests through the plugin's endpoint)."""
-    trainer = MODEL.build(seed=1)  # what the server loads
-    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="sglang-modes", is_server=True)
-    settings = {
-        "rendezvous": f"127.0.0.1:{rendezvous.port}", "job_id": rendezvous.job_id, "engine_id": "server",
-        "version": "v1",
-    }
-    flags = ["--weight-version", "v1"]  # sglang's own name for what it loaded, as the plugin declares
-    with sglang_server(tmp_path, flags, {ENDPOINT_ENV: json.dumps(settings)}) as url:
-        with Session(source=FSDP2Source(trainer), transport="mooncake", rendezvous=rendezvous, check=True) as session:
-            session.connect(["server"])
-            for old, new, mode in (("v1", "v2", None), ("v2", "v3", "in_place"), ("v3", "v4", "abort")):
-                before = served(trainer)
-                with torch.no_grad():  # the next step's weights
-                    trainer.load_state_dict(MODEL.build(seed=int(new[1:])).state_dict())
-                reports = []
-                last = generate_across_update(url, lambda: reports.append(session.update(new, pause=mode)))
-                (report,) = reports
-                assert report.ok and report.engines["server"].checked, report.format()
-                assert report.engines["server"].pause == (mode or "retract")
-                out, meta = last["output_ids"], last["meta_info"]
-                if mode == "abort":
-                    assert meta["finish_reason"]["type"] == "abort", meta
-                    assert len(out) < IN_FLIGHT_TOKENS
-                    continue
-                assert meta["finish_reason"]["type"] != "abort" and len(out) == IN_FLIGHT_TOKENS, meta
-                spans = version_spans(meta)
-                assert [s.version for s in spans] == [old, new] and spans[0].start == 0, (
-                    f"the request in flight should span {old} and {new}: {spans}"
-                )
-                cut = spans[0].end
-                sample = SimpleNamespace(weight_versions=[], metadata={})  # a miles/slime rollout record
-                record_weight_versions(sample, meta)
-                assert sample.weight_versions == [old, new]
-                assert spans[1] == VersionSpan(new, cut, IN_FLIGHT_TOKENS) and UPDATE_AFTER <= cut < IN_FLIGHT_TOKENS
-                assert_generated_by(before, out[:cut])  # the old weights' tokens, none lost
-                if mode is None:  # retracted: the rest recomputed with the new weights
-                    after, so_far = served(trainer), [*PROMPT, *out[:cut]]
-                    assert_generated_by(after, out[cut:], so_far)
-                    assert not generated_by(before, out[cut:], so_far), "the old weights choose these tokens too"
-        answer = generate(url)  # after the abort: serving the last update's weights
-        assert answer["meta_info"]["weight_version"] == "v4"
-        assert_generated_by(served(trainer), answer["output_ids"])
+    trainer = MODEL.build(seed=1)
+    plugin_server.reset(trainer, "modes-1")
+    url, rendezvous = plugin_server.url, plugin_server.rendezvous
+    with Session(source=FSDP2Source(trainer), transport="mooncake", rendezvous=rendezvous, check=True) as session:
+        session.connect(["server"])
+        for old, new, mode in (("modes-1", "modes-2", None), ("modes-2", "modes-3", "in_place"),
+                               ("modes-3", "modes-4", "abort")):
+            before = served(trainer)
+            with torch.no_grad():  # the next step's weights
+                trainer.load_state_dict(MODEL.build(seed=int(new.removeprefix("modes-"))).state_dict())
+            reports = []
+            last = generate_across_update(url, lambda: reports.append(session.update(new, pause=mode)))
+            (report,) = reports
+            assert report.ok and report.engines["server"].checked, report.format()
+            assert report.engines["server"].pause == (mode or "retract")
+            out, meta = last["output_ids"], last["meta_info"]
+            if mode == "abort":
+                assert meta["finish_reason"]["type"] == "abort", meta
+                assert len(out) < IN_FLIGHT_TOKENS
+                continue
+            assert meta["finish_reason"]["type"] != "abort" and len(out) == IN_FLIGHT_TOKENS, meta
+            spans = version_spans(meta)
+            assert [s.version for s in spans] == [old, new] and spans[0].start == 0, (
+                f"the request in flight should span {old} and {new}: {spans}"
+            )
+            cut = spans[0].end
+            sample = SimpleNamespace(weight_versions=[], metadata={})  # a miles/slime rollout record
+            record_weight_versions(sample, meta)
+            assert sample.weight_versions == [old, new]
+            assert spans[1] == VersionSpan(new, cut, IN_FLIGHT_TOKENS) and UPDATE_AFTER <= cut < IN_FLIGHT_TOKENS
+            assert_generated_by(before, out[:cut])  # the old weights' tokens, none lost
+            if mode is None:  # retracted: the rest recomputed with the new weights
+                after, so_far = served(trainer), [*PROMPT, *out[:cut]]
+                assert_generated_by(after, out[cut:], so_far)
+                assert not generated_by(before, out[cut:], so_far), "the old weights choose these tokens too"
+    answer = generate(url)  # after the abort: serving the last update's weights
+    assert answer["meta_info"]["weight_version"] == "modes-4"
+    assert_generated_by(served(trainer), answer["output_ids"])
 
 
 #: The weight the server reloads from disk behind p2psync's back (one sglang parameter, one HF tensor).
@@ -368,46 +395,41 @@ def tamper(url: str, model: torch.nn.Module, path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.conformance(trainer="fsdp2", engine="sglang", transport="mooncake", via="sglang server check")
-def test_bytes_changed_on_the_server_behind_p2psyncs_back_fail_the_check_naming_the_parameter(tmp_path):
+def test_bytes_changed_on_the_server_behind_p2psyncs_back_fail_the_check_naming_the_parameter(plugin_server, tmp_path):
     """check=True against a real server, through the plugin's endpoint. After a full update, the
     server reloads one weight from disk, changed. A delta update that trusts its baselines
     (`prove_baselines=False`) does not rewrite it: the check fails, naming that parameter, and
     the server is not resumed. With baselines proven (the default), the next update finds the
     change, sends the rank its full bytes and lands exact."""
     trainer = MODEL.build(seed=2)
-    rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="sglang-check", is_server=True)
-    settings = {
-        "rendezvous": f"127.0.0.1:{rendezvous.port}", "job_id": rendezvous.job_id, "engine_id": "server",
-        "version": "v1",
-    }
+    url, rendezvous = plugin_server.url, plugin_server.rendezvous  # the first update is full: from any weights
 
     def step() -> None:  # the next weights differ in one other tensor: each delta has something to send
         with torch.no_grad():
             trainer.get_parameter("model.layers.0.mlp.up_proj.weight").mul_(1.5)
 
-    with sglang_server(tmp_path, [], {ENDPOINT_ENV: json.dumps(settings)}) as url:
-        trusting = Session(source=FSDP2Source(trainer), transport="mooncake", rendezvous=rendezvous, check=True,
-                           delta={"prove_baselines": False})
-        with trusting as session:
-            session.connect(["server"])
-            assert session.update("v2").ok
-            tamper(url, trainer, tmp_path / "tampered-1")
-            step()
-            report = session.update("v3")
-        (engine,) = report.engines.values()
-        assert not report.ok and engine.delta_ranks == [0], report.format()
-        assert "digest mismatch" in engine.error and f"parameter '{TAMPERED}'" in engine.error, engine.error
-        assert "up_proj" not in engine.error, engine.error  # what the delta sent landed
-        assert not generates_within(url, 5)  # not resumed with weights the check refused
+    trusting = Session(source=FSDP2Source(trainer), transport="mooncake", rendezvous=rendezvous, check=True,
+                       delta={"prove_baselines": False})
+    with trusting as session:
+        session.connect(["server"])
+        assert session.update("check-2").ok
+        tamper(url, trainer, tmp_path / "tampered-1")
+        step()
+        report = session.update("check-3")
+    (engine,) = report.engines.values()
+    assert not report.ok and engine.delta_ranks == [0], report.format()
+    assert "digest mismatch" in engine.error and f"parameter '{TAMPERED}'" in engine.error, engine.error
+    assert "up_proj" not in engine.error, engine.error  # what the delta sent landed
+    assert not generates_within(url, 5)  # not resumed with weights the check refused
 
-        with Session(source=FSDP2Source(trainer), transport="mooncake", rendezvous=rendezvous, check=True,
-                     delta=True) as session:
-            session.connect(["server"])
-            assert session.update("v4").ok  # full: a new session holds no baselines
-            tamper(url, trainer, tmp_path / "tampered-2")
-            step()
-            report = session.update("v5")
-        (engine,) = report.engines.values()
-        assert report.ok and engine.checked and engine.delta_ranks == [], report.format()
-        assert any("full bytes" in note and TAMPERED in note for note in report.degraded), report.degraded
-        assert_generated_by(served(trainer), generate(url)["output_ids"])
+    with Session(source=FSDP2Source(trainer), transport="mooncake", rendezvous=rendezvous, check=True,
+                 delta=True) as session:
+        session.connect(["server"])
+        assert session.update("check-4").ok  # full: a new session holds no baselines
+        tamper(url, trainer, tmp_path / "tampered-2")
+        step()
+        report = session.update("check-5")
+    (engine,) = report.engines.values()
+    assert report.ok and engine.checked and engine.delta_ranks == [], report.format()
+    assert any("full bytes" in note and TAMPERED in note for note in report.degraded), report.degraded
+    assert_generated_by(served(trainer), generate(url)["output_ids"])
