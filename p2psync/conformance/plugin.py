@@ -22,7 +22,7 @@ import json
 import os
 from collections.abc import Generator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -106,6 +106,14 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 COMBINATION = "p2psync_combination"
 
 
+def _combination_key(report: pytest.TestReport) -> Key | None:
+    """The combination a test's report names (`Recorder.pytest_runtest_makereport`), if any."""
+    for name, value in report.user_properties:
+        if name == COMBINATION:
+            return tuple(cast("list[str]", value))
+    return None
+
+
 class Recorder:
     """One run's combinations: selects them, records their outcomes, writes and prints the table."""
 
@@ -150,7 +158,7 @@ class Recorder:
             outcome.get_result().user_properties.append((COMBINATION, list(key_of(combo))))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        key = next((tuple(value) for name, value in report.user_properties if name == COMBINATION), None)
+        key = _combination_key(report)
         if key is None or (report.when != "call" and not report.failed and not report.skipped):
             return
         status = "passed" if report.passed else "failed" if report.failed else "skipped"
