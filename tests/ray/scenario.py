@@ -17,10 +17,13 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import ray
 import ray.cloudpickle
+import ray.exceptions
 
 #: Seconds any one call may take before the scenario gives up (a hang fails, not stalls): no speed
 #: bound. On a 2-core machine busy with other tests, an actor's first call (its worker starts and
@@ -28,6 +31,20 @@ import ray.cloudpickle
 CALL = 300
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "ray_two_nodes.py"
+
+
+def held_by(rollout: Any) -> Any:
+    """What `rollout` holds (its `state()`, read only): asked again while Ray calls its actor
+    temporarily unavailable, as after a cut link is mended Ray's connection to the node can be
+    reset once before it reconnects."""
+    deadline = time.monotonic() + CALL
+    while True:
+        try:
+            return ray.get(rollout.state.remote(), timeout=CALL)
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
 
 
 def load_example():
@@ -59,7 +76,7 @@ def main() -> None:
     def step(world: list, rollouts: dict, version: str) -> dict:
         reports = ray.get([t.train_and_sync.remote(version) for t in world], timeout=CALL)
         full = ray.get([t.full_state.remote() for t in world], timeout=CALL)[0]
-        held = {e: ray.get(r.state.remote(), timeout=CALL) for e, r in rollouts.items()}
+        held = {e: held_by(r) for e, r in rollouts.items()}
         return {"report": reports[0], "equal": {e: h == full for e, h in held.items()}}
 
     if args.loopback:
@@ -97,7 +114,7 @@ def main() -> None:
     cut = {e: r for e, r in rollouts.items() if e != "rollout-1"}
     reports = ray.get([t.train_and_sync.remote("b-4") for t in world], timeout=CALL)
     full = ray.get([t.full_state.remote() for t in world], timeout=CALL)[0]
-    out["cut"] = {"report": reports[0], "equal": {e: ray.get(r.state.remote(), timeout=CALL) == full for e, r in cut.items()}}
+    out["cut"] = {"report": reports[0], "equal": {e: held_by(r) == full for e, r in cut.items()}}
     subprocess.run(["ip", "-n", args.switch, "link", "set", "port2", "up"], check=True)
     ray.get([t.connect.remote(sorted(rollouts)) for t in world], timeout=CALL)
     out["mended"] = step(world, rollouts, "b-5")
