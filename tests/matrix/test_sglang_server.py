@@ -70,8 +70,8 @@ def assert_generated_by(model: torch.nn.Module, tokens: list[int], prompt: list[
     )
 
 
-@pytest.fixture(autouse=True)
-def _sglang_installed() -> None:
+@pytest.fixture(scope="module", autouse=True)
+def _sglang_installed() -> None:  # module-wide: before the shared server's fixture
     usable("engine_targets", "sglang")
     usable("transports", "mooncake")
 
@@ -176,8 +176,6 @@ class PluginServer:
 
 @pytest.fixture(scope="module")
 def plugin_server(tmp_path_factory) -> Iterator[PluginServer]:
-    usable("engine_targets", "sglang")
-    usable("transports", "mooncake")
     rendezvous = Rendezvous(host="127.0.0.1", port=0, job_id="sglang-plugin", is_server=True)
     settings = {
         "rendezvous": f"127.0.0.1:{rendezvous.port}", "job_id": rendezvous.job_id, "engine_id": "server",
